@@ -1,0 +1,1 @@
+"""prompts → target-generated conversations → tokenised + loss masks → target features."""

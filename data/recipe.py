@@ -1,0 +1,177 @@
+"""Recipes: OmegaConf YAML validated against one typed schema, with `key=value` overrides.
+
+A recipe file names only the sections its job needs; every other key keeps the schema default. Anything
+wrong with a recipe (unknown key, wrong type, missing value, nonexistent path) is reported in one line that
+names the key before any model or dataset loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from data.io import SpecdrafterError, atomic_write_text
+
+BUILTIN_TARGETS = ("smollm2-135m-instruct",)
+PROMPT_SETS = ("mtbench", "humaneval", "gsm8k", "sharegpt")
+
+
+class RecipeError(SpecdrafterError):
+    pass
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Overlong(Enum):
+    skip = "skip"  # drop prompts that do not fit (counted)
+    truncate = "truncate"  # keep their first tokens (counted)
+
+
+@dataclass
+class TargetConfig:
+    # A built-in offline asset (smollm2-135m-instruct), a local Hugging Face model folder, or a hub id
+    # such as meta-llama/Llama-3.1-8B-Instruct on a machine with hub access.
+    model: str = "smollm2-135m-instruct"
+    dtype: DType = DType.float32
+
+
+@dataclass
+class HiddenStatesConfig:
+    # Target layers whose *input* hidden states are cached for offline EAGLE training (vLLM's convention:
+    # id k = input to decoder layer k; id num_hidden_layers = the final hidden state HF returns). Empty = off.
+    layer_ids: List[int] = field(default_factory=list)
+    dtype: DType = DType.bfloat16
+    batch_size: int = 8
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "sharegpt"  # a built-in prompt set or a JSONL file of {"turns": [...]} / {"prompt": ...}
+    num_conversations: int = 64
+    min_prompt_tokens: int = 4
+    max_prompt_tokens: int = 384
+    overlong: Overlong = Overlong.skip
+    exclude: List[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k"])
+    max_new_tokens: int = 256
+    temperature: float = 0.7  # 0 = greedy
+    top_p: float = 0.95
+    batch_size: int = 16
+    shard_size: int = 32
+    seed: int = 0
+    hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+
+
+@dataclass
+class Recipe:
+    output_dir: str = MISSING
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:
+    """Merge schema defaults ← YAML file ← `key=value` overrides; validate; return a typed DictConfig."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    schema = OmegaConf.structured(Recipe)
+    try:
+        from_file = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and friends: keep the first line only
+        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise RecipeError(f"override {bad[0]!r} is not of the form key=value")
+    try:
+        cfg = OmegaConf.merge(schema, from_file, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise RecipeError(_explain(e, schema)) from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise RecipeError(f"recipe key {missing[0]!r} is required but has no value (set it in the YAML or as {missing[0]}=...)")
+    _check_values(cfg)
+    return cfg
+
+
+def _explain(e: OmegaConfBaseException, schema: DictConfig) -> str:
+    key = e.full_key or "?"
+    first_line = (e.msg or str(e)).splitlines()[0] if (e.msg or str(e)) else type(e).__name__
+    if isinstance(e, ConfigKeyError):
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(schema, parent) if parent else schema
+        valid = [f"{parent}.{k}" if parent else k for k in node.keys()] if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys here: {', '.join(valid)})"
+        return f"unknown recipe key {key!r}{hint}"
+    return f"recipe key {key!r}: {first_line}"
+
+
+def _check_values(cfg: DictConfig) -> None:
+    d = cfg.data
+    positive = {"data.num_conversations": d.num_conversations, "data.max_new_tokens": d.max_new_tokens,
+                "data.batch_size": d.batch_size, "data.shard_size": d.shard_size,
+                "data.max_prompt_tokens": d.max_prompt_tokens, "data.hidden_states.batch_size": d.hidden_states.batch_size}
+    for key, value in positive.items():
+        if value <= 0:
+            raise RecipeError(f"recipe key {key!r} must be positive, got {value}")
+    if d.min_prompt_tokens > d.max_prompt_tokens:
+        raise RecipeError(f"recipe key 'data.min_prompt_tokens' ({d.min_prompt_tokens}) exceeds data.max_prompt_tokens ({d.max_prompt_tokens})")
+    if d.temperature < 0:
+        raise RecipeError(f"recipe key 'data.temperature' must be >= 0, got {d.temperature}")
+    if not 0 < d.top_p <= 1:
+        raise RecipeError(f"recipe key 'data.top_p' must be in (0, 1], got {d.top_p}")
+    if any(k < 0 for k in d.hidden_states.layer_ids):
+        raise RecipeError(f"recipe key 'data.hidden_states.layer_ids' must be non-negative, got {list(d.hidden_states.layer_ids)}")
+    for name in d.exclude:
+        if name not in PROMPT_SETS[:-1]:
+            raise RecipeError(f"recipe key 'data.exclude': unknown evaluation set {name!r} (valid: mtbench, humaneval, gsm8k)")
+    if d.prompts not in PROMPT_SETS and not Path(d.prompts).expanduser().is_file():
+        raise RecipeError(f"recipe key 'data.prompts': {d.prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an existing file")
+    model = cfg.target.model
+    if model not in BUILTIN_TARGETS and _looks_local(model) and not Path(model).expanduser().is_dir():
+        raise RecipeError(f"recipe key 'target.model': model folder {model!r} does not exist")
+
+
+def _looks_local(name: str) -> bool:
+    """A name that starts with / . or ~, or exists on disk, is a local folder; anything else is a hub id."""
+    return name.startswith(("/", ".", "~")) or os.path.exists(name)
+
+
+def save_recipe(cfg: DictConfig, folder: str | os.PathLike) -> Path:
+    return atomic_write_text(Path(folder) / "recipe.yaml", OmegaConf.to_yaml(cfg))
+
+
+def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> None:
+    """Entry point shared by the launch scripts: `script.py RECIPE [key=value ...] [--print-config]`.
+
+    Prints the resolved recipe, runs `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on
+    stderr and a non-zero exit status (2 for bad input, 130 for an interrupt).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    print_only = "--print-config" in argv
+    args = [a for a in argv if a != "--print-config"]
+    if not args or args[0].startswith("-") or "=" in args[0]:
+        prog = Path(sys.argv[0]).name
+        sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...] [--print-config]")
+    try:
+        cfg = load_recipe(args[0], args[1:])
+        print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
+        if print_only:
+            return
+        main(cfg)
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted: finished shards are kept; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)

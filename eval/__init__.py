@@ -1,0 +1,1 @@
+"""Acceptance jobs, speed measurement, reports and plots."""

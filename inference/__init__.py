@@ -1,0 +1,1 @@
+"""Verifiers (pure functions), trees, proposers, the speculative generation loop."""

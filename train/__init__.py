@@ -1,0 +1,1 @@
+"""Drafters (draft model, Medusa, EAGLE), objectives, the DeepSpeed loop, checkpoints, export."""
