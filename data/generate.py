@@ -295,8 +295,8 @@ def generate_dataset(cfg: DictConfig) -> dict:
     context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     room = context - d.max_new_tokens - overhead
     if room < max(d.min_prompt_tokens, 1):
-        raise SpecdrafterError(f"recipe key 'data.max_new_tokens' ({d.max_new_tokens}) leaves no room for a prompt in "
-                               f"the target's context of {context} tokens")
+        raise SpecdrafterError(f"recipe keys 'data.max_new_tokens' ({d.max_new_tokens}) and 'data.min_prompt_tokens' "
+                               f"({d.min_prompt_tokens}) do not fit the target's context of {context} tokens")
     max_prompt = min(d.max_prompt_tokens, room)
     selection = select_prompts(records, tokenizer, d, max_prompt, evaluation_texts(d.exclude))
     c = selection.counts

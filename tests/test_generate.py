@@ -1,0 +1,183 @@
+"""The data job on a tiny random Llama with SmolLM2's tokenizer: filtering, loss masks, shards, resume,
+corruption, kill -9, hidden states; and batched generation on the real SmolLM2 target."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data.assets import load_target
+from data.generate import check_free_space, generate_dataset, generate_responses, load_generated
+from data.io import SpecdrafterError
+from data.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
+
+
+def recipe(out, target, prompts, *extra):
+    return load_recipe(DATA_RECIPE, [f"output_dir={out}", f"target.model={target}", f"data.prompts={prompts}",
+                                     "data.num_conversations=8", "data.shard_size=3", "data.batch_size=3",
+                                     "data.min_prompt_tokens=3", "data.max_prompt_tokens=64", "data.max_new_tokens=12",
+                                     "data.hidden_states.layer_ids=[]", *extra])
+
+
+def shard_rows(out):
+    return {p.name: datasets.load_from_disk(str(p)).to_dict() for p in sorted((out / "shards").glob("shard-*"))}
+
+
+def test_job_filters_prompts_and_masks_exactly_the_target_tokens(tmp_path, tiny_target, prompt_file):
+    out = tmp_path / "run"
+    stats = generate_dataset(recipe(out, tiny_target, prompt_file, "data.num_conversations=20"))  # consider all
+    p = stats["prompts"]
+    assert (p["duplicates"], p["too_short"], p["overlong_skipped"], p["eval_excluded"]) == (1, 1, 1, 1)
+    assert stats["conversations"] == 9 and stats["shards"] == 3
+    assert (out / "recipe.yaml").is_file() and (out / "stats.json").is_file()
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    data = load_generated(out)
+    assert "mt" not in data["id"] and "p3" not in data["id"] and "p11" not in data["id"]
+    for row in data:
+        prompt = tok.apply_chat_template([row["messages"][0]], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+        n = row["num_prompt_tokens"]
+        assert row["input_ids"][:n] == prompt and len(prompt) == n
+        assert row["loss_mask"] == [0] * n + [1] * row["num_response_tokens"]
+        response = row["input_ids"][n:]
+        assert 0 < len(response) <= 12
+        text = tok.decode(response[:-1] if row["finished"] else response)
+        assert row["messages"][1] == {"role": "assistant", "content": text}
+
+
+def test_overlong_prompts_are_truncated_when_asked(tmp_path, tiny_target, prompt_file):
+    stats = generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.overlong=truncate",
+                                    "data.num_conversations=20"))
+    assert stats["prompts"]["truncated"] == 1 and stats["prompts"]["overlong_skipped"] == 0
+    row = next(r for r in load_generated(tmp_path) if r["prompt_truncated"])
+    assert row["id"] == "p11"
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    assert len(tok(row["messages"][0]["content"], add_special_tokens=False)["input_ids"]) <= 64
+
+
+def test_empty_prompt_set_after_filtering_is_one_clear_error(tmp_path, tiny_target, prompt_file):
+    cfg = recipe(tmp_path, tiny_target, prompt_file, "data.min_prompt_tokens=200", "data.max_prompt_tokens=300")
+    with pytest.raises(SpecdrafterError, match="no prompts left after filtering"):
+        generate_dataset(cfg)
+    assert not list((tmp_path / "shards").iterdir())
+
+
+def test_resume_keeps_finished_shards_and_reproduces_missing_ones(tmp_path, tiny_target, prompt_file):
+    cfg = recipe(tmp_path, tiny_target, prompt_file)
+    generate_dataset(cfg)
+    first = shard_rows(tmp_path)
+    kept = tmp_path / "shards" / "shard-00000" / "data-00000-of-00001.arrow"
+    mtime = kept.stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "shards" / "shard-00001")
+    stats = generate_dataset(cfg)
+    assert stats["this_run"]["generated_conversations"] == 3
+    assert kept.stat().st_mtime_ns == mtime
+    assert shard_rows(tmp_path) == first  # per-shard seeds: the regenerated shard is the same sample
+
+
+def test_corrupt_shard_is_named_moved_aside_and_regenerated(tmp_path, tiny_target, prompt_file, caplog):
+    cfg = recipe(tmp_path, tiny_target, prompt_file)
+    generate_dataset(cfg)
+    first = shard_rows(tmp_path)
+    arrow = tmp_path / "shards" / "shard-00002" / "data-00000-of-00001.arrow"
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    generate_dataset(cfg)
+    assert "shard-00002 is not usable (data-00000-of-00001.arrow does not match its checksum)" in caplog.text
+    assert len(list((tmp_path / "corrupt").iterdir())) == 1
+    assert shard_rows(tmp_path) == first
+
+
+def test_changed_settings_refuse_to_mix_with_old_shards(tmp_path, tiny_target, prompt_file):
+    generate_dataset(recipe(tmp_path, tiny_target, prompt_file))
+    with pytest.raises(SpecdrafterError, match="generated with data.temperature=0.7"):
+        generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.temperature=0.3"))
+
+
+def test_kill_9_loses_at_most_the_shard_in_progress(tmp_path, tiny_target, prompt_file):
+    args = [sys.executable, str(REPO / "launch" / "generate_data.py"), str(DATA_RECIPE), f"output_dir={tmp_path}",
+            f"target.model={tiny_target}", f"data.prompts={prompt_file}", "data.num_conversations=20",
+            "data.shard_size=1", "data.batch_size=1", "data.min_prompt_tokens=3", "data.max_new_tokens=48",
+            "data.hidden_states.layer_ids=[]", "data.overlong=truncate"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.time() + 240
+    while len(list((tmp_path / "shards").glob("shard-*"))) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = sorted(p.name for p in (tmp_path / "shards").glob("shard-*"))
+    assert 2 <= len(done_before) < 10, "the job should have been killed part-way"
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resuming: {len(done_before)} of 10 shards already done" in done.stderr
+    assert len(load_generated(tmp_path)) == 10
+    assert not list((tmp_path / "shards").glob(".*.tmp")) and not (tmp_path / "corrupt").exists()
+
+
+def test_hidden_states_are_the_targets_layer_inputs(tmp_path, tiny_target, prompt_file):
+    cfg = recipe(tmp_path, tiny_target, prompt_file, "data.hidden_states.layer_ids=[0,1,2]",
+                 "data.hidden_states.dtype=float32", "data.hidden_states.batch_size=2")
+    generate_dataset(cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    shard = datasets.load_from_disk(str(tmp_path / "shards" / "shard-00001"))
+    cached = load_file(str(tmp_path / "hidden" / "shard-00001.safetensors"))
+    offsets = cached["offsets"].tolist()
+    assert offsets[0] == 0 and offsets[-1] == sum(len(x) for x in shard["input_ids"])
+    for i, ids in enumerate(shard["input_ids"]):  # one unpadded sequence at a time
+        with torch.no_grad():
+            ref = model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        for k in (0, 1, 2):
+            torch.testing.assert_close(cached[f"layer_{k}"][offsets[i]:offsets[i + 1]], ref[k][0], atol=1e-5, rtol=1e-4)
+    mtime = (tmp_path / "hidden" / "shard-00001.safetensors").stat().st_mtime_ns
+    generate_dataset(cfg)  # rerun: valid caches are kept
+    assert (tmp_path / "hidden" / "shard-00001.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_hidden_state_layer_out_of_range_and_disk_space(tmp_path, tiny_target, prompt_file):
+    with pytest.raises(SpecdrafterError, match="layer_ids': 3 is out of range for a target with 2 layers"):
+        generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.hidden_states.layer_ids=[1,3]"))
+    with pytest.raises(SpecdrafterError, match="GiB is free"):
+        check_free_space(shutil.disk_usage(tmp_path).free + 2**30, tmp_path)
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path, tiny_target):
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_target, folder)
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecdrafterError, match="has no chat template"):
+        load_target(str(folder))
+
+
+def test_tokenizer_that_does_not_match_the_target_is_refused(tmp_path, tiny_target, smollm2_tokenizer):
+    from conftest import tiny_llama_config
+    folder = tmp_path / "small-vocab"
+    AutoModelForCausalLM.from_config(tiny_llama_config(1000)).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    with pytest.raises(SpecdrafterError, match="tokenizer and target do not match"):
+        load_target(str(folder))
+
+
+def test_batched_left_padded_generation_matches_batch_size_1_on_smollm2(smollm2_dir, smollm2_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    prompts = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)["input_ids"]
+               for t in ("What is 2 + 2?", "Name a colour.", "Write one sentence about the sea and the sky.")]
+    one = generate_responses(model, smollm2_tokenizer, prompts, 10, 0.0, 1.0, batch_size=1)
+    batched = generate_responses(model, smollm2_tokenizer, prompts, 10, 0.0, 1.0, batch_size=3)
+    assert batched == one and all(len(r) > 0 for r in one)

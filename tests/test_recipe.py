@@ -1,0 +1,100 @@
+"""Recipes: every file validates; bad keys, types, values and paths fail in one line naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from data.recipe import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_validates_and_names_its_command(path):
+    cfg = load_recipe(path)
+    assert cfg.output_dir
+    header = path.read_text().splitlines()[0:4]
+    assert header[0].startswith("#")
+    assert any(f"launch/" in line and path.name in line for line in header), "header comment must give the command"
+
+
+def test_overrides_merge_with_types():
+    cfg = load_recipe(DATA_RECIPE, ["data.num_conversations=7", "data.temperature=0", "data.overlong=truncate"])
+    assert cfg.data.num_conversations == 7 and cfg.data.temperature == 0.0
+    assert cfg.data.overlong.value == "truncate"
+
+
+def error_of(overrides, path=DATA_RECIPE) -> str:
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path, overrides)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_misspelled_key_names_it_and_the_closest_valid_key():
+    msg = error_of(["data.num_conversation=3"])
+    assert "'data.num_conversation'" in msg and "did you mean 'data.num_conversations'" in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("output_dir: x\ntarget:\n  modle: smollm2-135m-instruct\n")
+    msg = error_of([], bad)
+    assert "'target.modle'" in msg and "'target.model'" in msg
+
+
+@pytest.mark.parametrize("override,key", [("data.batch_size=many", "data.batch_size"),
+                                          ("data.overlong=cut", "data.overlong"),
+                                          ("target.dtype=int3", "target.dtype"),
+                                          ("data.hidden_states.layer_ids=[a]", "data.hidden_states.layer_ids")])
+def test_wrong_type_names_the_key(override, key):
+    assert f"'{key}" in error_of([override])
+
+
+@pytest.mark.parametrize("override,key", [("data.batch_size=0", "data.batch_size"),
+                                          ("data.top_p=1.5", "data.top_p"),
+                                          ("data.exclude=[mmlu]", "data.exclude"),
+                                          ("data.min_prompt_tokens=999", "data.min_prompt_tokens")])
+def test_bad_value_names_the_key(override, key):
+    assert f"'{key}'" in error_of([override])
+
+
+def test_missing_required_value(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  num_conversations: 2\n")
+    assert "'output_dir' is required" in error_of([], recipe)
+
+
+def test_nonexistent_paths_fail_before_loading():
+    assert "model folder '/nonexistent/model' does not exist" in error_of(["target.model=/nonexistent/model"])
+    assert "'data.prompts'" in error_of(["data.prompts=./no-such-prompts.jsonl"])
+
+
+def test_missing_recipe_file_and_bad_override_shape(tmp_path):
+    assert "not found" in error_of([], tmp_path / "nope.yaml")
+    assert "key=value" in error_of(["data.batch_size"])
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(REPO / "launch" / "generate_data.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_bad_key_is_one_line_and_nonzero_exit():
+    done = run_cli(DATA_RECIPE, "data.shard_sise=4")
+    assert done.returncode != 0
+    lines = [l for l in done.stderr.splitlines() if l.strip()]
+    assert "Traceback" not in done.stderr
+    assert lines == ["error: unknown recipe key 'data.shard_sise' (did you mean 'data.shard_size'?)"]
+
+
+def test_cli_print_config_prints_the_resolved_recipe_and_exits():
+    done = run_cli(DATA_RECIPE, "data.seed=5", "--print-config")
+    assert done.returncode == 0, done.stderr
+    cfg = OmegaConf.create(done.stdout)
+    assert cfg.data.seed == 5 and cfg.target.model == "smollm2-135m-instruct"
