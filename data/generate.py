@@ -123,8 +123,9 @@ def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_token
     """
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
-        dict(do_sample=False)
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     responses: List[List[int]] = [[] for _ in prompts]

@@ -1,0 +1,110 @@
+"""The speculative generation loop (batch size 1): draft → verify → commit → roll back both caches.
+
+Target cache invariant: it holds every committed token except the newest one. Each cycle feeds
+[newest_committed, d_1, ..., d_k] so row i-1 scores d_i and row k is the bonus row (ALGORITHMS.md §0).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from data.io import SpecdrafterError
+from inference.sampling import SamplingParams, sampling_probs
+from inference.verify import RegretLedger, Verdict, verify_asd, verify_greedy, verify_sampling
+
+
+@dataclass
+class CycleStats:
+    drafted: int  # k
+    accepted: int  # draft tokens accepted (the bonus/correction token not counted)
+    draft_s: float
+    verify_s: float  # target forward + verifier
+
+
+@dataclass
+class GenerationResult:
+    tokens: List[int]  # new tokens only
+    cycles: List[CycleStats] = field(default_factory=list)
+    asd_regret: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target pass (bonus included)."""
+        return len(self.tokens) / max(len(self.cycles), 1)
+
+    @property
+    def acceptance(self) -> float:
+        """Fraction of drafted tokens accepted."""
+        return sum(c.accepted for c in self.cycles) / max(sum(c.drafted for c in self.cycles), 1)
+
+
+@dataclass(frozen=True)
+class ASDSettings:
+    budget: float = 8.0
+    gate: float = 0.25
+    max_mismatches: int = 2
+
+
+@torch.no_grad()
+def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+                         params: SamplingParams = SamplingParams(0.0), k: int = 4,
+                         eos_token_ids: Sequence[int] = (), asd: Optional[ASDSettings] = None,
+                         generator: Optional[torch.Generator] = None) -> GenerationResult:
+    """Decode up to `max_new_tokens` after `prompt_ids`, drafting k tokens per cycle with `proposer`.
+
+    Greedy (params.temperature == 0) uses `verify_greedy` (or `verify_asd` when `asd` is given); otherwise
+    exact speculative sampling, so the output is distributed exactly as the target's own sampling.
+    """
+    if k < 1:
+        raise SpecdrafterError(f"block length k must be >= 1, got {k}")
+    if asd is not None and not params.greedy:
+        raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
+    context = getattr(target.config, "max_position_embeddings", None)
+    if not prompt_ids:
+        raise SpecdrafterError("empty prompt")
+    if context and len(prompt_ids) + max_new_tokens + k > context:
+        raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                               f"target's context of {context} tokens")
+    committed = list(prompt_ids)
+    cache = DynamicCache()
+    if len(committed) > 1:  # prefill all but the newest token
+        target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    proposer.reset()
+    ledger = RegretLedger(asd.budget) if asd else None
+    result = GenerationResult([])
+    eos = set(eos_token_ids)
+    done = False
+    while not done:
+        t0 = time.perf_counter()
+        proposal = proposer.propose(committed, k, params, generator)
+        t1 = time.perf_counter()
+        ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()])  # [1, k+1]
+        logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0]  # [k+1, V]
+        verdict = _verify(proposal, logits, params, ledger, asd, generator)
+        t2 = time.perf_counter()
+        new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
+        cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
+        proposer.rollback(len(committed) + len(new))
+        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1))
+        for token in new:
+            committed.append(token)
+            result.tokens.append(token)
+            done = token in eos or len(result.tokens) == max_new_tokens
+            if done:
+                break
+    result.asd_regret = ledger.spent if ledger else 0.0
+    return result
+
+
+def _verify(proposal, logits, params, ledger, asd, generator) -> Verdict:
+    if asd is not None:
+        return verify_asd(proposal.tokens, logits, ledger, asd.gate, asd.max_mismatches)
+    if params.greedy:
+        return verify_greedy(proposal.tokens, logits)
+    return verify_sampling(proposal.tokens, proposal.probs, sampling_probs(logits, params), generator)
