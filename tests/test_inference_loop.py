@@ -1,0 +1,104 @@
+"""The speculative loop over HF models: greedy output identical to target.generate, the target as its own
+draft accepts everything, cache rollback leaves exactly the committed prefix, bad input is refused."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+
+from conftest import tiny_llama_config
+from data.io import SpecdrafterError
+from inference.generate import ASDSettings, speculative_generate
+from inference.proposers import DraftModelProposer, check_vocabularies, self_draft
+from inference.sampling import SamplingParams
+
+PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=4, tie_word_embeddings=False)).eval()
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=1, tie_word_embeddings=False)).eval()
+    return target, draft
+
+
+EOS = [2]
+
+
+def greedy_reference(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=EOS, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_chain_is_token_identical_to_target_generate(tiny_pair, k):
+    target, draft = tiny_pair
+    for proposer in (DraftModelProposer(draft), DraftModelProposer(self_draft(target, 1))):
+        for prompt in PROMPTS:
+            result = speculative_generate(target, proposer, prompt, 24, SamplingParams(0.0), k, EOS)
+            assert result.tokens == greedy_reference(target, prompt, 24)
+    assert result.acceptance < 1  # the random draft is rejected sometimes, so rollback was exercised
+
+
+def test_greedy_chain_on_smollm2_matches_generate(smollm2_dir, smollm2_tokenizer):
+    target = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    proposer = DraftModelProposer(self_draft(target, 8))
+    for text in ("What is the capital of Japan?", "Write a short poem about rain."):
+        prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"]
+        result = speculative_generate(target, proposer, prompt, 24, SamplingParams(0.0), 4, EOS)
+        assert result.tokens == greedy_reference(target, prompt, 24)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_target_as_its_own_draft_accepts_every_token(tiny_pair, temperature):
+    target, _ = tiny_pair
+    k = 4
+    result = speculative_generate(target, DraftModelProposer(target), PROMPTS[0], 25, SamplingParams(temperature), k,
+                                  generator=torch.Generator().manual_seed(0))
+    assert all(c.accepted == k for c in result.cycles)
+    assert len(result.tokens) == 25 and len(result.cycles) == 5  # τ = k + 1 exactly
+
+
+def test_draft_cache_rollback_keeps_exactly_the_committed_prefix(tiny_pair):
+    target, draft = tiny_pair
+    proposer = DraftModelProposer(draft)
+    committed = list(PROMPTS[1])
+    proposal = proposer.propose(committed, 4, SamplingParams(0.0))
+    committed += proposal.tokens[:2].tolist() + [7]  # 2 accepted, then a correction token
+    proposer.rollback(len(committed))
+    assert proposer.cache.get_seq_length() == len(committed) - 1
+    fresh = DynamicCache()
+    draft(input_ids=torch.tensor([committed[:-1]]), cache=fresh, use_cache=True)
+    for layer, ref in zip(proposer.cache.layers, fresh.layers):
+        torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_asd_at_zero_budget_reproduces_strict_greedy(tiny_pair):
+    target, draft = tiny_pair
+    strict = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4)
+    asd0 = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
+                                asd=ASDSettings(budget=0.0))
+    assert asd0.tokens == strict.tokens and asd0.asd_regret == 0
+    loose = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
+                                 asd=ASDSettings(budget=8.0, gate=1.0, max_mismatches=2))
+    assert 0 <= loose.asd_regret <= 8.0 and loose.acceptance >= strict.acceptance
+
+
+def test_bad_input_is_refused_in_one_line(tiny_pair):
+    target, draft = tiny_pair
+    other = LlamaForCausalLM(tiny_llama_config(320, num_hidden_layers=1)).eval()
+    with pytest.raises(SpecdrafterError, match=r"draft vocabulary \(320 tokens\) differs from the target's \(300"):
+        check_vocabularies(target, other)
+    with pytest.raises(SpecdrafterError, match="block length k"):
+        speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, k=0)
+    with pytest.raises(SpecdrafterError, match="exceeds the target's context of 512"):
+        speculative_generate(target, DraftModelProposer(draft), list(range(1, 300)) * 2, 5)
+    with pytest.raises(SpecdrafterError, match="empty prompt"):
+        speculative_generate(target, DraftModelProposer(draft), [], 5)
+    with pytest.raises(SpecdrafterError, match="greedy decoding only"):
+        speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, SamplingParams(1.0), asd=ASDSettings())
+    with pytest.raises(SpecdrafterError, match="num_layers"):
+        self_draft(target, 9)
