@@ -73,11 +73,50 @@ class DataConfig:
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
 
 
+class DrafterKind(Enum):
+    self_draft = "self_draft"  # the target's first `num_layers` layers + norm + lm_head (training-free baseline)
+    draft_model = "draft_model"  # a causal LM folder sharing the target's tokenizer
+
+
+class VerifierKind(Enum):
+    exact = "exact"  # greedy at temperature 0, exact speculative sampling above
+    asd = "asd"  # approximate speculative decoding (temperature 0 only)
+
+
+@dataclass
+class DrafterConfig:
+    kind: DrafterKind = DrafterKind.self_draft
+    path: Optional[str] = None  # draft_model: a local folder or hub id
+    num_layers: int = 6  # self_draft
+
+
+@dataclass
+class ASDConfig:
+    budget: float = 8.0
+    gate: float = 0.25
+    max_mismatches: int = 2
+
+
+@dataclass
+class InferenceConfig:
+    prompt: str = "Explain speculative decoding in two sentences."
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    k: int = 4  # draft tokens per cycle
+    verifier: VerifierKind = VerifierKind.exact
+    asd: ASDConfig = field(default_factory=ASDConfig)
+    seed: int = 0
+
+
 @dataclass
 class Recipe:
     output_dir: str = MISSING
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
 
 
 def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:
@@ -138,6 +177,21 @@ def _check_values(cfg: DictConfig) -> None:
             raise RecipeError(f"recipe key 'data.exclude': unknown evaluation set {name!r} (valid: mtbench, humaneval, gsm8k)")
     if d.prompts not in PROMPT_SETS and not Path(d.prompts).expanduser().is_file():
         raise RecipeError(f"recipe key 'data.prompts': {d.prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an existing file")
+    inf = cfg.inference
+    checks = {"inference.k": (inf.k >= 1, ">= 1"), "inference.max_new_tokens": (inf.max_new_tokens >= 1, ">= 1"),
+              "inference.temperature": (inf.temperature >= 0, ">= 0"), "inference.top_k": (inf.top_k >= 0, ">= 0"),
+              "inference.top_p": (0 < inf.top_p <= 1, "in (0, 1]"),
+              "drafter.num_layers": (cfg.drafter.num_layers >= 1, ">= 1")}
+    for key, (ok, rule) in checks.items():
+        if not ok:
+            raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
+    if inf.verifier.value == "asd" and inf.temperature > 0:
+        raise RecipeError("recipe key 'inference.verifier': asd is defined for greedy decoding only (set inference.temperature=0)")
+    if cfg.drafter.kind.value == "draft_model":
+        if not cfg.drafter.path:
+            raise RecipeError("recipe key 'drafter.path' is required when drafter.kind is draft_model")
+        if _looks_local(cfg.drafter.path) and not Path(cfg.drafter.path).expanduser().is_dir():
+            raise RecipeError(f"recipe key 'drafter.path': draft model folder {cfg.drafter.path!r} does not exist")
     model = cfg.target.model
     if model not in BUILTIN_TARGETS and _looks_local(model) and not Path(model).expanduser().is_dir():
         raise RecipeError(f"recipe key 'target.model': model folder {model!r} does not exist")

@@ -16,7 +16,9 @@ from transformers import DynamicCache
 
 from data.io import SpecdrafterError
 from inference.sampling import SamplingParams, sampling_probs
-from inference.verify import RegretLedger, Verdict, verify_asd, verify_greedy, verify_sampling
+from inference.tree import TreeShape, tree_attention, tree_positions
+from inference.verify import (RegretLedger, Verdict, verify_asd, verify_greedy, verify_sampling, verify_tree_greedy,
+                              verify_tree_sampling)
 
 
 @dataclass
@@ -100,6 +102,60 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
                 break
     result.asd_regret = ledger.spent if ledger else 0.0
     return result
+
+
+@torch.no_grad()
+def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+                              shape: TreeShape, params: SamplingParams = SamplingParams(0.0),
+                              eos_token_ids: Sequence[int] = (),
+                              generator: Optional[torch.Generator] = None) -> GenerationResult:
+    """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
+    attention). Children are the draft's top-ranked tokens, so T > 0 uses the exact deterministic-top-k rule."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if not prompt_ids:
+        raise SpecdrafterError("empty prompt")
+    if context and len(prompt_ids) + max_new_tokens + shape.size > context:
+        raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                               f"target's context of {context} tokens")
+    committed = list(prompt_ids)
+    cache = DynamicCache()
+    if len(committed) > 1:
+        target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    proposer.reset()
+    mask, result, eos, done = shape.ancestors_mask(), GenerationResult([]), set(eos_token_ids), False
+    while not done:
+        t0 = time.perf_counter()
+        tokens = proposer.propose_tree(committed, shape)  # [N+1]
+        t1 = time.perf_counter()
+        past = len(committed) - 1
+        logits = target(input_ids=tokens[None], cache=cache, use_cache=True, attention_mask=tree_attention(mask, past),
+                        position_ids=tree_positions(shape.depths, past)).logits[0]  # [N+1, V]
+        if params.greedy:
+            verdict = verify_tree_greedy(shape.parents, tokens, logits)
+        else:
+            verdict = verify_tree_sampling(shape.parents, tokens, sampling_probs(logits, params), None, "topk", generator)
+        t2 = time.perf_counter()
+        keep = [0] + verdict.accepted_nodes  # tree slots to keep: the root and the accepted path
+        compact_cache(cache, [past + j for j in keep], past)
+        cache.crop(-(shape.size - len(keep)))  # rollback: drop the rejected branches
+        new = [int(tokens[j]) for j in verdict.accepted_nodes] + [verdict.next_token]
+        proposer.rollback(len(committed) + len(new))
+        result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1))
+        for token in new:
+            committed.append(token)
+            result.tokens.append(token)
+            done = token in eos or len(result.tokens) == max_new_tokens
+            if done:
+                break
+    return result
+
+
+def compact_cache(cache: DynamicCache, slots: List[int], start: int) -> None:
+    """Move the KV entries at `slots` to contiguous positions start, start+1, ... in every layer."""
+    index = torch.tensor(slots)
+    for layer in cache.layers:
+        layer.keys[:, :, start:start + len(slots)] = layer.keys[:, :, index]  # [B, H, n, D]
+        layer.values[:, :, start:start + len(slots)] = layer.values[:, :, index]
 
 
 def _verify(proposal, logits, params, ledger, asd, generator) -> Verdict:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from data.io import SpecdrafterError
 from inference.sampling import SamplingParams, sampling_probs
+from inference.tree import TreeShape, tree_attention, tree_positions
 
 
 @dataclass
@@ -90,3 +91,41 @@ def check_vocabularies(target: nn.Module, draft: nn.Module) -> None:
     if vt != vd:
         raise SpecdrafterError(f"draft vocabulary ({vd} tokens) differs from the target's ({vt} tokens); "
                                "a draft model must share the target's tokenizer")
+
+
+class DraftModelTreeProposer(DraftModelProposer):
+    """Drafts a static tree with a draft model: the child of rank r is the draft's r-th most likely token at its
+    parent (deterministic top-k children, verified exactly with `verify_tree_sampling(mode="topk")`).
+
+    Levels are fed to the draft one at a time with tree attention; afterwards the draft cache is cropped back to
+    the committed prefix, so the accepted path is re-fed at the next cycle like any committed token.
+    """
+
+    @torch.no_grad()
+    def propose_tree(self, committed: List[int], shape: TreeShape) -> torch.Tensor:
+        """Node tokens [N+1] of `shape` (node 0 = the newest committed token)."""
+        tokens = [committed[-1]] + [0] * (shape.size - 1)
+        width = 1 + max(c[-1] for c in shape.choices[1:])
+        feed = committed[self.cached:]
+        root_logits = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True,
+                                 logits_to_keep=1).logits[0, -1]  # [V]
+        self.cached += len(feed)
+        past = self.cached  # the root is now part of the cached past; tree nodes 1.. follow it
+        ranked = {0: root_logits.topk(width).indices}  # children by rank: the draft's most likely tokens first
+        depths, mask = shape.depths, shape.ancestors_mask()
+        fed = 1  # tree nodes [1, fed) are in the draft cache
+        for depth in range(1, max(depths) + 1):
+            level = [j for j in range(1, shape.size) if depths[j] == depth]
+            for j in level:
+                tokens[j] = int(ranked[shape.parents[j]][shape.choices[j][-1]])
+            end = level[-1] + 1
+            if depth == max(depths):  # the deepest level has no children: no need to feed it
+                break
+            logits = self.model(input_ids=torch.tensor([tokens[fed:end]]), cache=self.cache, use_cache=True,
+                                attention_mask=tree_attention(mask[fed:end, 1:end], past),
+                                position_ids=tree_positions(depths[fed:end], past - 1)).logits[0]  # [n, V]
+            for row, j in enumerate(range(fed, end)):
+                ranked[j] = logits[row].topk(width).indices
+            fed = end
+        self.cache.crop(-(fed - 1))  # rollback: drop the tree nodes, keep the committed prefix
+        return torch.tensor(tokens)

@@ -5,10 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
-from conftest import tiny_llama_config
+from conftest import REPO, tiny_llama_config
 from data.io import SpecdrafterError
+from data.recipe import load_recipe
 from inference.generate import ASDSettings, speculative_generate
 from inference.proposers import DraftModelProposer, check_vocabularies, self_draft
+from inference.run import decode
 from inference.sampling import SamplingParams
 
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
@@ -102,3 +104,14 @@ def test_bad_input_is_refused_in_one_line(tiny_pair):
         speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, SamplingParams(1.0), asd=ASDSettings())
     with pytest.raises(SpecdrafterError, match="num_layers"):
         self_draft(target, 9)
+
+
+def test_decode_job_from_a_recipe(tiny_target):
+    cfg = load_recipe(REPO / "recipes" / "smollm2-135m-generate.yaml",
+                      [f"target.model={tiny_target}", "drafter.num_layers=1", "inference.max_new_tokens=12",
+                       "output_dir=unused"])
+    report = decode(cfg)
+    assert 1 <= len(report.result.tokens) <= 12 and "tok/s" in report.summary() and "τ =" in report.summary()
+    cfg.inference.prompt = "   "
+    with pytest.raises(SpecdrafterError, match="inference.prompt' is empty"):
+        decode(cfg)

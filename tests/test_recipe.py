@@ -98,3 +98,18 @@ def test_cli_print_config_prints_the_resolved_recipe_and_exits():
     assert done.returncode == 0, done.stderr
     cfg = OmegaConf.create(done.stdout)
     assert cfg.data.seed == 5 and cfg.target.model == "smollm2-135m-instruct"
+
+
+GENERATE_RECIPE = REPO / "recipes" / "smollm2-135m-generate.yaml"
+
+
+@pytest.mark.parametrize("overrides,key", [(["inference.k=0"], "inference.k"),
+                                           (["inference.temperature=-1"], "inference.temperature"),
+                                           (["inference.top_p=0"], "inference.top_p"),
+                                           (["inference.top_k=-3"], "inference.top_k"),
+                                           (["inference.verifier=asd", "inference.temperature=0.7"], "inference.verifier"),
+                                           (["drafter.kind=draft_model"], "drafter.path"),
+                                           (["drafter.kind=draft_model", "drafter.path=./missing"], "drafter.path"),
+                                           (["drafter.kind=medusa2"], "drafter.kind")])
+def test_inference_settings_are_checked_before_loading(overrides, key):
+    assert f"'{key}'" in error_of(overrides, GENERATE_RECIPE)

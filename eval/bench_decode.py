@@ -1,0 +1,128 @@
+"""Decode benchmark: target-only HF `generate`, HF assisted generation (`assistant_model=`) with the recipe's
+drafter, and our chain loop with the same drafter, interleaved prompt by prompt on MT-Bench first turns, at
+each temperature. Prints tokens/s, speedup over target-only, τ, α and the seed formula's predicted speedup
+from the measured α, c (draft step / target step) and v(n) (target pass over n tokens / one token).
+
+    python -m eval.bench_decode recipes/smollm2-135m-generate.yaml [--prompts 4] [--max-new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+from data.assets import load_prompt_set, load_target
+from data.io import SpecdrafterError
+from data.recipe import load_recipe
+from inference.generate import speculative_generate
+from inference.proposers import DraftModelProposer
+from inference.run import build_drafter
+from inference.sampling import SamplingParams
+
+
+@torch.no_grad()
+def step_cost(model, context: list, n: int, repeats: int = 7) -> float:
+    """Median seconds of one cached forward over n new tokens after `context`."""
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([context]), cache=cache, use_cache=True, logits_to_keep=1)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(input_ids=torch.tensor([context[:n]]), cache=cache, use_cache=True)
+        times.append(time.perf_counter() - start)
+        cache.crop(-n)
+    return statistics.median(times)
+
+
+def alpha_from_cycles(cycles, k: int) -> float:
+    """Per-token acceptance: accepted / positions tried (a cycle tries min(accepted + 1, k) positions)."""
+    tried = sum(min(c.accepted + 1, k) for c in cycles)
+    return sum(c.accepted for c in cycles) / max(tried, 1)
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    return tokens / (v + k * c)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+        target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+        draft = build_drafter(cfg, target)
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
+    k = cfg.inference.k
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+               for r in load_prompt_set("mtbench")[: args.prompts]]
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+
+    one = step_cost(target, prompts[0], 1)
+    costs = {"target_1_token_s": one, "c": step_cost(draft, prompts[0], 1) / one,
+             "v": {n: step_cost(target, prompts[0], n) / one for n in range(1, k + 2)}}
+    print(f"target step {one * 1e3:.1f} ms; c = {costs['c']:.3f}; v(n) = "
+          + ", ".join(f"{n}: {v:.2f}" for n, v in costs["v"].items()), file=sys.stderr)
+
+    table = []
+    for temperature in args.temperatures:
+        params = SamplingParams(temperature)
+        sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
+        arms = {"target": [0, 0.0], "hf_assisted": [0, 0.0], "ours_chain": [0, 0.0]}
+        cycles = []
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                torch.manual_seed(i)
+                start = time.perf_counter()
+                out = target.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **sample)
+                arms["target"][0] += out.shape[1] - len(prompt)
+                arms["target"][1] += time.perf_counter() - start
+                torch.manual_seed(i)
+                start = time.perf_counter()
+                out = target.generate(ids, assistant_model=draft, num_assistant_tokens=k,
+                                      num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+                                      max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **sample)
+                arms["hf_assisted"][0] += out.shape[1] - len(prompt)
+                arms["hf_assisted"][1] += time.perf_counter() - start
+            start = time.perf_counter()
+            result = speculative_generate(target, DraftModelProposer(draft), prompt, args.max_new_tokens, params, k, eos,
+                                          generator=torch.Generator().manual_seed(i))
+            arms["ours_chain"][0] += len(result.tokens)
+            arms["ours_chain"][1] += time.perf_counter() - start
+            cycles += result.cycles
+        alpha = alpha_from_cycles(cycles, k)
+        base = arms["target"][0] / arms["target"][1]
+        predicted = predicted_speedup(alpha, k, costs["c"], costs["v"][k + 1])
+        for name, (tokens, seconds) in arms.items():
+            row = {"temperature": temperature, "arm": name, "tokens": tokens, "tokens_per_s": round(tokens / seconds, 2),
+                   "speedup": round(tokens / seconds / base, 3)}
+            if name == "ours_chain":
+                row.update(tau=round(tokens / len(cycles), 3), alpha=round(alpha, 3), predicted_speedup=round(predicted, 3),
+                           measured_over_predicted=round(row["speedup"] / predicted, 3),
+                           verify_share_of_time=round(sum(c.verify_s for c in cycles) / seconds, 3))
+            table.append(row)
+    print(json.dumps({"k": k, "drafter": cfg.drafter.kind.value, "prompts": len(prompts),
+                      "max_new_tokens": args.max_new_tokens, "costs": costs, "rows": table}, indent=2))
+    print("| T | arm | tok/s | speedup | τ | α | predicted | measured/predicted |\n|---|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['temperature']} | {r['arm']} | {r['tokens_per_s']} | {r['speedup']} | {r.get('tau', '')} | "
+              f"{r.get('alpha', '')} | {r.get('predicted_speedup', '')} | {r.get('measured_over_predicted', '')} |")
+
+
+if __name__ == "__main__":
+    main()

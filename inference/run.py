@@ -1,0 +1,59 @@
+"""One decoding job from a recipe: build the drafter, chat-template the prompt, decode speculatively, report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoModelForCausalLM
+
+from data.assets import load_target
+from data.io import SpecdrafterError
+from inference.generate import ASDSettings, GenerationResult, speculative_generate
+from inference.proposers import DraftModelProposer, check_vocabularies, self_draft
+from inference.sampling import SamplingParams
+
+
+def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
+    if cfg.drafter.kind.value == "self_draft":
+        return self_draft(target, cfg.drafter.num_layers)
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(cfg.drafter.path, dtype=target.dtype).eval()
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
+    check_vocabularies(target, draft)
+    return draft
+
+
+@dataclass
+class DecodeReport:
+    text: str
+    result: GenerationResult
+    seconds: float
+
+    def summary(self) -> str:
+        r = self.result
+        return (f"{len(r.tokens)} tokens in {self.seconds:.2f} s = {len(r.tokens) / self.seconds:.1f} tok/s; "
+                f"τ = {r.tau:.2f} tokens per target pass; α = {r.acceptance:.3f} of drafted tokens accepted"
+                + (f"; ASD regret {r.asd_regret:.2f}" if r.asd_regret else ""))
+
+
+def decode(cfg: DictConfig) -> DecodeReport:
+    inf = cfg.inference
+    if not inf.prompt.strip():
+        raise SpecdrafterError("recipe key 'inference.prompt' is empty")
+    params = SamplingParams(inf.temperature, inf.top_k, inf.top_p)
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    proposer = DraftModelProposer(build_drafter(cfg, target))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": inf.prompt}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches) if inf.verifier.value == "asd" else None
+    eos = target.generation_config.eos_token_id
+    start = time.perf_counter()
+    result = speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, inf.k,
+                                  [eos] if isinstance(eos, int) else list(eos or []), asd,
+                                  torch.Generator().manual_seed(inf.seed))
+    seconds = time.perf_counter() - start
+    return DecodeReport(tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)

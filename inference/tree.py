@@ -1,0 +1,93 @@
+"""Token trees for tree verification (ALGORITHMS.md §3).
+
+Node 0 is the root (the newest committed token); nodes 1..N follow breadth-first, each after its parent.
+A tree's shape is `parents` (parents[0] = -1). Static trees come from Medusa-style choice lists; the draft
+fills in node tokens each cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+from data.io import SpecdrafterError
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    parents: Tuple[int, ...]  # parents[0] = -1
+    choices: Tuple[Tuple[int, ...], ...]  # node j's path of child ranks from the root (() for the root)
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> List[int]:
+        return [len(c) for c in self.choices]
+
+    def ancestors_mask(self) -> torch.Tensor:
+        """M [N+1, N+1] bool: M[i, j] iff j is i or an ancestor of i (M = I; M[:, 0] = 1; OR in the parent's row)."""
+        n = self.size
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def leaf_paths(self) -> List[List[int]]:
+        """Root-to-leaf node paths (root excluded): the retrieval indices."""
+        has_child = {p for p in self.parents[1:]}
+        paths = []
+        for j in range(1, self.size):
+            if j not in has_child:
+                path, node = [], j
+                while node > 0:
+                    path.append(node)
+                    node = self.parents[node]
+                paths.append(path[::-1])
+        return paths
+
+
+def tree_from_choices(choices: Sequence[Sequence[int]], num_heads: int | None = None) -> TreeShape:
+    """A static tree from choice paths, e.g. [[0], [1], [0, 0], [0, 1]]: path [a, b] is the b-th ranked
+    candidate at depth 2 below the a-th ranked candidate at depth 1. Every prefix of a path must be listed.
+    `num_heads` (Medusa) bounds the depth: a path longer than the number of heads refers to a missing head."""
+    paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+    if not paths or any(len(c) == 0 or min(c) < 0 for c in paths):
+        raise SpecdrafterError("tree choices must be non-empty lists of non-negative ranks")
+    if num_heads is not None and max(len(c) for c in paths) > num_heads:
+        deepest = max(paths, key=len)
+        raise SpecdrafterError(f"tree choice {list(deepest)} needs {len(deepest)} draft heads but only {num_heads} exist")
+    index = {(): 0}
+    parents = [-1]
+    for c in paths:
+        if c[:-1] not in index:
+            raise SpecdrafterError(f"tree choice {list(c)} is listed without its parent {list(c[:-1])}")
+        index[c] = len(parents)
+        parents.append(index[c[:-1]])
+    return TreeShape(tuple(parents), ((),) + tuple(paths))
+
+
+def cartesian_choices(top_k: Sequence[int]) -> List[List[int]]:
+    """Full Cartesian tree: top_k[d] children for every node at depth d (e.g. [3, 2] → 3 + 6 nodes)."""
+    out, frontier = [], [[]]
+    for k in top_k:
+        frontier = [path + [r] for path in frontier for r in range(k)]
+        out += frontier
+    return out
+
+
+def tree_attention(shape_mask: torch.Tensor, past_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """4D additive mask [1, 1, N+1, past + N+1] (0 = attend, -inf = not): every node sees the whole committed
+    past plus itself and its ancestors within the tree. HF Llama accepts it with explicit position_ids."""
+    n = shape_mask.shape[0]
+    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool), shape_mask], dim=1)  # [N+1, past + N+1]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def tree_positions(depths: Sequence[int], past_len: int) -> torch.Tensor:
+    """position_ids [1, N+1]: a node's position is its depth (number of ancestors) + the committed length."""
+    return torch.tensor([depths], dtype=torch.long) + past_len
