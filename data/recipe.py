@@ -104,7 +104,8 @@ class InferenceConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    k: int = 4  # draft tokens per cycle
+    k: int = 4  # draft tokens per cycle (chain)
+    tree: List[List[int]] = field(default_factory=list)  # static tree choice paths, e.g. [[0],[1],[0,0]]; empty = chain
     verifier: VerifierKind = VerifierKind.exact
     asd: ASDConfig = field(default_factory=ASDConfig)
     seed: int = 0

@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from data.assets import load_target
 from data.io import SpecdrafterError
-from inference.generate import ASDSettings, GenerationResult, speculative_generate
-from inference.proposers import DraftModelProposer, check_vocabularies, self_draft
+from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
+from inference.proposers import DraftModelProposer, DraftModelTreeProposer, check_vocabularies, self_draft
 from inference.sampling import SamplingParams
+from inference.tree import tree_from_choices
 
 
 def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
@@ -45,15 +46,23 @@ def decode(cfg: DictConfig) -> DecodeReport:
     if not inf.prompt.strip():
         raise SpecdrafterError("recipe key 'inference.prompt' is empty")
     params = SamplingParams(inf.temperature, inf.top_k, inf.top_p)
+    shape = tree_from_choices([list(c) for c in inf.tree]) if inf.tree else None  # checked before any load
+    asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches) if inf.verifier.value == "asd" else None
+    if asd is not None and shape is not None:
+        raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
-    proposer = DraftModelProposer(build_drafter(cfg, target))
+    drafter = build_drafter(cfg, target)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": inf.prompt}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]
-    asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches) if inf.verifier.value == "asd" else None
     eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    generator = torch.Generator().manual_seed(inf.seed)
     start = time.perf_counter()
-    result = speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, inf.k,
-                                  [eos] if isinstance(eos, int) else list(eos or []), asd,
-                                  torch.Generator().manual_seed(inf.seed))
+    if shape is not None:
+        result = tree_speculative_generate(target, DraftModelTreeProposer(drafter), prompt, inf.max_new_tokens, shape,
+                                           params, eos, generator)
+    else:
+        result = speculative_generate(target, DraftModelProposer(drafter), prompt, inf.max_new_tokens, params, inf.k,
+                                      eos, asd, generator)
     seconds = time.perf_counter() - start
     return DecodeReport(tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)

@@ -112,6 +112,12 @@ def test_decode_job_from_a_recipe(tiny_target):
                        "output_dir=unused"])
     report = decode(cfg)
     assert 1 <= len(report.result.tokens) <= 12 and "tok/s" in report.summary() and "τ =" in report.summary()
+    cfg.inference.tree = [[0], [1], [0, 0]]
+    report = decode(cfg)
+    assert 1 <= len(report.result.tokens) <= 12
+    cfg.inference.tree = [[0], [1, 0]]
+    with pytest.raises(SpecdrafterError, match="without its parent"):
+        decode(cfg)
     cfg.inference.prompt = "   "
     with pytest.raises(SpecdrafterError, match="inference.prompt' is empty"):
         decode(cfg)
