@@ -27,17 +27,19 @@ from inference.sampling import SamplingParams
 
 
 @torch.no_grad()
-def step_cost(model, context: list, n: int, repeats: int = 7) -> float:
-    """Median seconds of one cached forward over n new tokens after `context`."""
+def step_costs(model, context: list, sizes: list, repeats: int = 9) -> dict:
+    """Median seconds of one cached forward over n new tokens after `context`, for each n in `sizes`.
+    Sizes are interleaved within every repeat, so a noisy machine slows them alike."""
     cache = DynamicCache()
     model(input_ids=torch.tensor([context]), cache=cache, use_cache=True, logits_to_keep=1)
-    times = []
+    times = {n: [] for n in sizes}
     for _ in range(repeats):
-        start = time.perf_counter()
-        model(input_ids=torch.tensor([context[:n]]), cache=cache, use_cache=True)
-        times.append(time.perf_counter() - start)
-        cache.crop(-n)
-    return statistics.median(times)
+        for n in sizes:
+            start = time.perf_counter()
+            model(input_ids=torch.tensor([context[:n]]), cache=cache, use_cache=True)
+            times[n].append(time.perf_counter() - start)
+            cache.crop(-n)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def alpha_from_cycles(cycles, k: int) -> float:
@@ -72,9 +74,10 @@ def main(argv=None):
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
 
-    one = step_cost(target, prompts[0], 1)
-    costs = {"target_1_token_s": one, "c": step_cost(draft, prompts[0], 1) / one,
-             "v": {n: step_cost(target, prompts[0], n) / one for n in range(1, k + 2)}}
+    target_costs = step_costs(target, prompts[0], list(range(1, k + 2)))
+    one = target_costs[1]
+    costs = {"target_1_token_s": one, "c": step_costs(draft, prompts[0], [1])[1] / one,
+             "v": {n: t / one for n, t in target_costs.items()}}
     print(f"target step {one * 1e3:.1f} ms; c = {costs['c']:.3f}; v(n) = "
           + ", ".join(f"{n}: {v:.2f}" for n, v in costs["v"].items()), file=sys.stderr)
 
