@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from data.io import SpecdrafterError
 from inference.sampling import SamplingParams, sampling_probs
-from inference.tree import TreeShape, tree_attention, tree_positions
+from inference.tree import tree_attention, tree_positions
 from inference.verify import (RegretLedger, Verdict, verify_asd, verify_greedy, verify_sampling, verify_tree_greedy,
                               verify_tree_sampling)
 
@@ -106,15 +106,16 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
 
 @torch.no_grad()
 def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                              shape: TreeShape, params: SamplingParams = SamplingParams(0.0),
+                              params: SamplingParams = SamplingParams(0.0),
                               eos_token_ids: Sequence[int] = (),
                               generator: Optional[torch.Generator] = None) -> GenerationResult:
     """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
-    attention). Children are the draft's top-ranked tokens, so T > 0 uses the exact deterministic-top-k rule."""
+    attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
+    deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule."""
     context = getattr(target.config, "max_position_embeddings", None)
     if not prompt_ids:
         raise SpecdrafterError("empty prompt")
-    if context and len(prompt_ids) + max_new_tokens + shape.size > context:
+    if context and len(prompt_ids) + max_new_tokens + proposer.max_tree_size > context:
         raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                                f"target's context of {context} tokens")
     committed = list(prompt_ids)
@@ -122,13 +123,13 @@ def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[
     if len(committed) > 1:
         target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
     proposer.reset()
-    mask, result, eos, done = shape.ancestors_mask(), GenerationResult([]), set(eos_token_ids), False
+    result, eos, done = GenerationResult([]), set(eos_token_ids), False
     while not done:
         t0 = time.perf_counter()
-        tokens = proposer.propose_tree(committed, shape)  # [N+1]
+        shape, tokens = proposer.propose_tree(committed)  # tokens: [N+1]
         t1 = time.perf_counter()
         past = len(committed) - 1
-        logits = target(input_ids=tokens[None], cache=cache, use_cache=True, attention_mask=tree_attention(mask, past),
+        logits = target(input_ids=tokens[None], cache=cache, use_cache=True, attention_mask=tree_attention(shape.ancestors_mask(), past),
                         position_ids=tree_positions(shape.depths, past)).logits[0]  # [N+1, V]
         if params.greedy:
             verdict = verify_tree_greedy(shape.parents, tokens, logits)

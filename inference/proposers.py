@@ -11,7 +11,7 @@ Medusa and EAGLE proposers (training issue) implement the same three calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from data.io import SpecdrafterError
 from inference.sampling import SamplingParams, sampling_probs
-from inference.tree import TreeShape, tree_attention, tree_positions
+from inference.tree import TreeShape, tree_attention, tree_from_parents, tree_positions
 
 
 @dataclass
@@ -101,9 +101,15 @@ class DraftModelTreeProposer(DraftModelProposer):
     the committed prefix, so the accepted path is re-fed at the next cycle like any committed token.
     """
 
+    def __init__(self, model: nn.Module, shape: TreeShape):
+        super().__init__(model)
+        self.shape = shape
+        self.max_tree_size = shape.size
+
     @torch.no_grad()
-    def propose_tree(self, committed: List[int], shape: TreeShape) -> torch.Tensor:
-        """Node tokens [N+1] of `shape` (node 0 = the newest committed token)."""
+    def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
+        """The tree's shape and node tokens [N+1] (node 0 = the newest committed token)."""
+        shape = self.shape
         tokens = [committed[-1]] + [0] * (shape.size - 1)
         width = 1 + max(c[-1] for c in shape.choices[1:])
         feed = committed[self.cached:]
@@ -128,4 +134,59 @@ class DraftModelTreeProposer(DraftModelProposer):
                 ranked[j] = logits[row].topk(width).indices
             fed = end
         self.cache.crop(-(fed - 1))  # rollback: drop the tree nodes, keep the committed prefix
-        return torch.tensor(tokens)
+        return shape, torch.tensor(tokens)
+
+
+class DynamicTreeProposer(DraftModelProposer):
+    """EAGLE-2 dynamic tree drafted by a draft model (ALGORITHMS.md §5): score = cumulative draft log-prob along
+    the path. Each depth, every frontier node proposes its top_k children; the top_k of those k² become the next
+    frontier; every proposed node is remembered. The tree is the `total_tokens` best nodes overall — closed
+    under ancestors since scores only fall along a path (ties broken towards shallower nodes)."""
+
+    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60):
+        if min(depth, top_k, total_tokens) < 1:
+            raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
+        super().__init__(model)
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.max_tree_size = total_tokens + 1
+
+    @torch.no_grad()
+    def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
+        feed = committed[self.cached:]
+        logits = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True,
+                            logits_to_keep=1).logits[0, -1:]  # [1, V]
+        self.cached += len(feed)
+        past = self.cached
+        # candidate nodes: (score, depth, parent candidate or -1 for the root, token); fed = frontier nodes in the cache
+        nodes: List[Tuple[float, int, int, int]] = []
+        frontier, fed_ancestry = [-1], {-1: []}
+        fed_order: List[int] = []  # candidate ids in the order they were fed to the draft
+        for depth in range(1, self.depth + 1):
+            logp = logits.log_softmax(-1)  # [F, V] one row per frontier node
+            top = logp.topk(self.top_k, dim=-1)
+            children = []
+            for row, parent in enumerate(frontier):
+                base = nodes[parent][0] if parent >= 0 else 0.0
+                for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                    nodes.append((base + lp, depth, parent, token))
+                    children.append(len(nodes) - 1)
+            if depth == self.depth:
+                break
+            frontier = sorted(children, key=lambda c: -nodes[c][0])[: self.top_k]
+            # feed the new frontier: each node sees the committed past and its own fed ancestors
+            columns = fed_order + frontier
+            mask = torch.zeros(len(frontier), len(columns), dtype=torch.bool)
+            for row, c in enumerate(frontier):
+                fed_ancestry[c] = fed_ancestry[nodes[c][2]] + [c]
+                for a in fed_ancestry[c]:
+                    mask[row, columns.index(a)] = True
+            logits = self.model(input_ids=torch.tensor([[nodes[c][3] for c in frontier]]), cache=self.cache,
+                                use_cache=True, attention_mask=tree_attention(mask, past),
+                                position_ids=torch.tensor([[past - 1 + depth] * len(frontier)])).logits[0]  # [F, V]
+            fed_order += frontier
+        self.cache.crop(-len(fed_order))  # rollback: drop the tree nodes, keep the committed prefix
+        keep = sorted(range(len(nodes)), key=lambda c: (-nodes[c][0], nodes[c][1]))[: self.total_tokens]
+        keep = sorted(keep, key=lambda c: (nodes[c][1], c))  # breadth-first: parents before children
+        index = {-1: 0, **{c: i + 1 for i, c in enumerate(keep)}}
+        shape = tree_from_parents([-1] + [index[nodes[c][2]] for c in keep])
+        return shape, torch.tensor([committed[-1]] + [nodes[c][3] for c in keep])

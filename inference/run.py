@@ -59,7 +59,7 @@ def decode(cfg: DictConfig) -> DecodeReport:
     generator = torch.Generator().manual_seed(inf.seed)
     start = time.perf_counter()
     if shape is not None:
-        result = tree_speculative_generate(target, DraftModelTreeProposer(drafter), prompt, inf.max_new_tokens, shape,
+        result = tree_speculative_generate(target, DraftModelTreeProposer(drafter, shape), prompt, inf.max_new_tokens,
                                            params, eos, generator)
     else:
         result = speculative_generate(target, DraftModelProposer(drafter), prompt, inf.max_new_tokens, params, inf.k,

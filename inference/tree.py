@@ -70,6 +70,20 @@ def tree_from_choices(choices: Sequence[Sequence[int]], num_heads: int | None = 
     return TreeShape(tuple(parents), ((),) + tuple(paths))
 
 
+def tree_from_parents(parents: Sequence[int]) -> TreeShape:
+    """A tree given breadth-first parents (each parent listed before its children); a node's choice path
+    records its rank among its siblings, so `choices` stays meaningful for dynamic trees too."""
+    choices: List[Tuple[int, ...]] = [()]
+    siblings: dict = {}
+    for j in range(1, len(parents)):
+        p = parents[j]
+        if not 0 <= p < j:
+            raise SpecdrafterError(f"tree node {j} has parent {p}; parents must come first")
+        siblings[p] = siblings.get(p, -1) + 1
+        choices.append(choices[p] + (siblings[p],))
+    return TreeShape(tuple(parents), tuple(choices))
+
+
 def cartesian_choices(top_k: Sequence[int]) -> List[List[int]]:
     """Full Cartesian tree: top_k[d] children for every node at depth d (e.g. [3, 2] → 3 + 6 nodes)."""
     out, frontier = [], [[]]

@@ -11,9 +11,9 @@ from transformers import DynamicCache, LlamaForCausalLM
 from conftest import tiny_llama_config
 from data.io import SpecdrafterError
 from inference.generate import tree_speculative_generate
-from inference.proposers import DraftModelTreeProposer
+from inference.proposers import DraftModelTreeProposer, DynamicTreeProposer
 from inference.sampling import SamplingParams
-from inference.tree import cartesian_choices, tree_attention, tree_from_choices, tree_positions
+from inference.tree import cartesian_choices, tree_attention, tree_from_choices, tree_from_parents, tree_positions
 
 
 def test_tree_from_choices_is_breadth_first_with_parents_and_paths():
@@ -25,6 +25,13 @@ def test_tree_from_choices_is_breadth_first_with_parents_and_paths():
     mask = shape.ancestors_mask()
     assert mask[6].nonzero().flatten().tolist() == [0, 1, 3, 6]
     assert mask[:, 0].all() and mask.diagonal().all() and not mask[2, 1]
+
+
+def test_tree_from_parents_records_sibling_ranks():
+    shape = tree_from_parents([-1, 0, 0, 1, 1, 2])
+    assert shape.choices == ((), (0,), (1,), (0, 0), (0, 1), (1, 0))
+    with pytest.raises(SpecdrafterError, match="parents must come first"):
+        tree_from_parents([-1, 2, 0])
 
 
 def test_cartesian_choices():
@@ -70,26 +77,30 @@ def test_greedy_tree_decoding_is_token_identical_to_target_generate(choices):
     torch.manual_seed(1)
     draft = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=1)).eval()
     shape = tree_from_choices(choices)
-    for proposer in (DraftModelTreeProposer(draft), DraftModelTreeProposer(target)):
+    for proposer in (DraftModelTreeProposer(draft, shape), DraftModelTreeProposer(target, shape)):
         for prompt in ([5, 17, 42, 9], [250], list(range(3, 40))):
             ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=[2],
                                   pad_token_id=2)[0, len(prompt):].tolist()
-            result = tree_speculative_generate(target, proposer, prompt, 20, shape, eos_token_ids=[2])
+            result = tree_speculative_generate(target, proposer, prompt, 20, eos_token_ids=[2])
             assert result.tokens == ref
     assert result.tau > 1  # the target as its own tree draft accepts whole paths
 
 
-def test_tree_decoding_samples_from_the_target_at_temperature_1():
-    """First two emitted tokens of tree decoding vs the target's own distribution (χ², level 1e-4)."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_tree_decoding_samples_from_the_target_at_temperature_1(dynamic):
+    """First two emitted tokens of tree decoding (static and EAGLE-2 dynamic trees) vs the target's own
+    distribution (χ², level 1e-4)."""
     torch.manual_seed(0)
     V = 8
     target = LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=1, hidden_size=16, intermediate_size=32)).eval()
     torch.manual_seed(1)
     draft = LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=1, hidden_size=16, intermediate_size=32)).eval()
-    shape, prompt, n = tree_from_choices(cartesian_choices([2, 1])), [3, 5], 3000
+    prompt, n = [3, 5], 1500
+    proposer = DynamicTreeProposer(draft, depth=2, top_k=2, total_tokens=4) if dynamic else \
+        DraftModelTreeProposer(draft, tree_from_choices(cartesian_choices([2, 1])))
     gen = torch.Generator().manual_seed(0)
-    counts = Counter(tuple(tree_speculative_generate(target, DraftModelTreeProposer(draft), prompt, 2, shape,
-                                                     SamplingParams(1.0), generator=gen).tokens) for _ in range(n))
+    counts = Counter(tuple(tree_speculative_generate(target, proposer, prompt, 2, SamplingParams(1.0),
+                                                     generator=gen).tokens) for _ in range(n))
     with torch.no_grad():
         first = target(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
         seconds = target(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double().softmax(-1)
@@ -97,3 +108,21 @@ def test_tree_decoding_samples_from_the_target_at_temperature_1():
     expected = np.array([float(first[a] * seconds[a, b]) for a, b in cells]) * n
     observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
     assert chisquare(observed, expected).pvalue > 1e-4
+
+
+def test_dynamic_tree_is_closed_under_ancestors_and_decodes_greedy_exactly():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=4)).eval()
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=1)).eval()
+    proposer = DynamicTreeProposer(draft, depth=4, top_k=3, total_tokens=10)
+    proposer.reset()
+    shape, tokens = proposer.propose_tree([5, 17, 42, 9])
+    assert shape.size == 11 and tokens.shape == (11,) and max(shape.depths) <= 4
+    assert all(0 <= p < j for j, p in enumerate(shape.parents) if j)
+    assert proposer.cache.get_seq_length() == 4  # tree nodes rolled back: only the committed prefix remains
+    for proposer in (DynamicTreeProposer(draft, 4, 3, 10), DynamicTreeProposer(target, 3, 2, 6)):
+        for prompt in ([5, 17, 42, 9], [250]):
+            ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=[2],
+                                  pad_token_id=2)[0, len(prompt):].tolist()
+            assert tree_speculative_generate(target, proposer, prompt, 20, eos_token_ids=[2]).tokens == ref
