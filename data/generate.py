@@ -14,10 +14,8 @@ rerunning the same command keeps every valid shard and generates only the missin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import random
 import shutil
 import time

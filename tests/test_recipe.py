@@ -20,7 +20,7 @@ def test_every_recipe_validates_and_names_its_command(path):
     assert cfg.output_dir
     header = path.read_text().splitlines()[0:4]
     assert header[0].startswith("#")
-    assert any(f"launch/" in line and path.name in line for line in header), "header comment must give the command"
+    assert any("launch/" in line and path.name in line for line in header), "header comment must give the command"
 
 
 def test_overrides_merge_with_types():
