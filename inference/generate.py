@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -67,16 +67,7 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
         raise SpecdrafterError(f"block length k must be >= 1, got {k}")
     if asd is not None and not params.greedy:
         raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
-    context = getattr(target.config, "max_position_embeddings", None)
-    if not prompt_ids:
-        raise SpecdrafterError("empty prompt")
-    if context and len(prompt_ids) + max_new_tokens + k > context:
-        raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                               f"target's context of {context} tokens")
-    committed = list(prompt_ids)
-    cache = DynamicCache()
-    if len(committed) > 1:  # prefill all but the newest token
-        target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    committed, cache = _prefill(target, prompt_ids, max_new_tokens + k)
     proposer.reset()
     ledger = RegretLedger(asd.budget) if asd else None
     result = GenerationResult([])
@@ -94,12 +85,7 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
         cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
         proposer.rollback(len(committed) + len(new))
         result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1))
-        for token in new:
-            committed.append(token)
-            result.tokens.append(token)
-            done = token in eos or len(result.tokens) == max_new_tokens
-            if done:
-                break
+        done = _commit(new, committed, result, eos, max_new_tokens)
     result.asd_regret = ledger.spent if ledger else 0.0
     return result
 
@@ -112,16 +98,7 @@ def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[
     """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
     attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
     deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule."""
-    context = getattr(target.config, "max_position_embeddings", None)
-    if not prompt_ids:
-        raise SpecdrafterError("empty prompt")
-    if context and len(prompt_ids) + max_new_tokens + proposer.max_tree_size > context:
-        raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                               f"target's context of {context} tokens")
-    committed = list(prompt_ids)
-    cache = DynamicCache()
-    if len(committed) > 1:
-        target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    committed, cache = _prefill(target, prompt_ids, max_new_tokens + proposer.max_tree_size)
     proposer.reset()
     result, eos, done = GenerationResult([]), set(eos_token_ids), False
     while not done:
@@ -142,13 +119,32 @@ def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[
         new = [int(tokens[j]) for j in verdict.accepted_nodes] + [verdict.next_token]
         proposer.rollback(len(committed) + len(new))
         result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1))
-        for token in new:
-            committed.append(token)
-            result.tokens.append(token)
-            done = token in eos or len(result.tokens) == max_new_tokens
-            if done:
-                break
+        done = _commit(new, committed, result, eos, max_new_tokens)
     return result
+
+
+def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[List[int], DynamicCache]:
+    """Check the prompt fits with `room` more positions, and fill the target cache with all but its newest token."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if not prompt_ids:
+        raise SpecdrafterError("empty prompt")
+    if context and len(prompt_ids) + room > context:
+        raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the target's context of "
+                               f"{context} tokens")
+    committed, cache = list(prompt_ids), DynamicCache()
+    if len(committed) > 1:
+        target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+    return committed, cache
+
+
+def _commit(new: List[int], committed: List[int], result: GenerationResult, eos: set, max_new_tokens: int) -> bool:
+    """Append a verdict's tokens; True once EOS or max_new_tokens is reached (later tokens are dropped)."""
+    for token in new:
+        committed.append(token)
+        result.tokens.append(token)
+        if token in eos or len(result.tokens) == max_new_tokens:
+            return True
+    return False
 
 
 def compact_cache(cache: DynamicCache, slots: List[int], start: int) -> None:
