@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from data.assets import load_prompt_set, load_target
+from data.features import capture_features, check_layer_ids
 from data.io import (SpecdrafterError, atomic_write_json, publish_dir, remove_stale_temps, sha256_file,
                      temp_dir_beside)
 from data.recipe import save_recipe
@@ -168,22 +169,22 @@ def target_hidden_states(model, sequences: List[List[int]], layer_ids: Sequence[
                          dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """Hidden states of every token of every sequence, concatenated: {"layer_k": [N_tokens, d], "offsets": [n+1]}.
 
-    Id k is the *input* to decoder layer k (HF's hidden_states[k]); id num_hidden_layers is the final,
-    normed hidden state. Sequences are right-padded, so padding never changes a real token's state.
+    Layer ids follow `data.features` (id k = input to layer k; id L = last layer's output, pre-norm).
+    Sequences are right-padded, so padding never changes a real token's state.
     """
-    backbone = model.base_model  # skip the lm_head: its [B, T, V] logits are not needed here
     per_layer: Dict[int, List[torch.Tensor]] = {k: [] for k in layer_ids}
-    for start in range(0, len(sequences), batch_size):
-        batch = sequences[start:start + batch_size]
-        width = max(len(s) for s in batch)
-        input_ids = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-        for row, s in enumerate(batch):
-            input_ids[row, :len(s)] = torch.tensor(s)
-            attention_mask[row, :len(s)] = 1
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
-        for k in layer_ids:
-            per_layer[k].extend(hidden[k][row, :len(s)].to(dtype) for row, s in enumerate(batch))  # [T_i, d]
+    with capture_features(model, layer_ids) as hidden:
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start:start + batch_size]
+            width = max(len(s) for s in batch)
+            input_ids = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
+            for row, s in enumerate(batch):
+                input_ids[row, :len(s)] = torch.tensor(s)
+                attention_mask[row, :len(s)] = 1
+            model.model(input_ids=input_ids, attention_mask=attention_mask)  # the backbone: no [B, T, V] logits
+            for k in layer_ids:
+                per_layer[k].extend(hidden[k][row, :len(s)].to(dtype) for row, s in enumerate(batch))  # [T_i, d]
     lengths = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.long)
     out = {f"layer_{k}": torch.cat(per_layer[k]).contiguous() for k in layer_ids}
     out["offsets"] = torch.cumsum(lengths, 0)
@@ -283,10 +284,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
     model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
     layer_ids = list(d.hidden_states.layer_ids)
-    bad_layer = next((k for k in layer_ids if k > model.config.num_hidden_layers), None)
-    if bad_layer is not None:
-        raise SpecdrafterError(f"recipe key 'data.hidden_states.layer_ids': {bad_layer} is out of range for a target "
-                               f"with {model.config.num_hidden_layers} layers (valid: 0..{model.config.num_hidden_layers})")
+    check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
 
     template = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
                                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

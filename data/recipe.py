@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -50,7 +50,7 @@ class TargetConfig:
 @dataclass
 class HiddenStatesConfig:
     # Target layers whose *input* hidden states are cached for offline EAGLE training (vLLM's convention:
-    # id k = input to decoder layer k; id num_hidden_layers = the final hidden state HF returns). Empty = off.
+    # id k = input to decoder layer k; id num_hidden_layers = the last layer's output before the final norm; data/features.py). Empty = off.
     layer_ids: List[int] = field(default_factory=list)
     dtype: DType = DType.bfloat16
     batch_size: int = 8
@@ -75,19 +75,106 @@ class DataConfig:
 
 class DrafterKind(Enum):
     self_draft = "self_draft"  # the target's first `num_layers` layers + norm + lm_head (training-free baseline)
-    draft_model = "draft_model"  # a causal LM folder sharing the target's tokenizer
+    draft_model = "draft_model"  # a small causal LM sharing the target's tokenizer
+    medusa = "medusa"  # Medusa heads on the target's last hidden state
+    eagle3 = "eagle3"  # an EAGLE-3 head on three target layers
 
 
 class VerifierKind(Enum):
     exact = "exact"  # greedy at temperature 0, exact speculative sampling above
     asd = "asd"  # approximate speculative decoding (temperature 0 only)
+    typical = "typical"  # Medusa typical acceptance over a static tree (lossy)
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # LoRA rank; 0 = train every weight
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4
+    num_layers: int = 1  # ResBlocks per head
+    decay: float = 0.8  # head h's loss weight is decay**h
+
+
+@dataclass
+class EagleConfig:
+    # Target layers fused by the head (id k = input to layer k); empty = {2, L//2, L-3} (EAGLE-3's default).
+    aux_layer_ids: List[int] = field(default_factory=list)
+    ttt_steps: int = 7  # training-time-test steps
+    step_decay: float = 0.8  # step j's loss weight is step_decay**j
+    draft_vocab_size: int = 0  # most frequent target tokens of the training data; 0 = the full vocabulary
 
 
 @dataclass
 class DrafterConfig:
     kind: DrafterKind = DrafterKind.self_draft
-    path: Optional[str] = None  # draft_model: a local folder or hub id
-    num_layers: int = 6  # self_draft
+    # Inference: the trained drafter's folder (a checkpoint's `drafter/` or an export) or a draft model's hub id.
+    # Training a draft model: optional initial weights (else the target's first `num_layers` layers).
+    path: Optional[str] = None
+    num_layers: int = 6  # self_draft, and a draft model initialised from the target
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
+
+
+class FeatureMode(Enum):
+    online = "online"  # the frozen target computes features and logits for every batch, in the same process
+    offline = "offline"  # read the hidden states cached by the data job (data.hidden_states.layer_ids)
+
+
+class Precision(Enum):
+    auto = "auto"  # bf16 on a GPU, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class WandbMode(Enum):
+    offline = "offline"  # logs to <output_dir>/wandb; `wandb sync` uploads later
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.offline
+    project: str = "specdrafter"
+    name: Optional[str] = None  # default: the output folder's name
+
+
+@dataclass
+class TrainConfig:
+    data_dir: Optional[str] = None  # the data job's output_dir (shards/ + hidden/)
+    features: FeatureMode = FeatureMode.online
+    # Distillation objective: weights over tv, fkl, rkl, jsd, soft_ce (ALGORITHMS.md §7), at `temperature`
+    # (match the temperature the drafter will serve at). Empty = {soft_ce: 1}. Entries merge across the recipe
+    # and overrides, so switch with e.g. train.objective.soft_ce=0 train.objective.tv=1.
+    objective: Dict[str, float] = field(default_factory=dict)
+    temperature: float = 1.0
+    jsd_beta: float = 0.5
+    max_length: int = 2048  # tokens per conversation (longer ones are cut)
+    epochs: int = 1
+    max_steps: int = 0  # optimizer steps; 0 = as many as `epochs` take
+    micro_batch_size: int = 4  # conversations per rank per forward
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    precision: Precision = Precision.auto
+    heldout: int = 16  # conversations kept out of training for the held-out metrics
+    eval_every: int = 50  # optimizer steps between held-out metrics
+    save_every: int = 50  # optimizer steps between checkpoints
+    keep_checkpoints: int = 2
+    seed: int = 0
+    warm_start: Optional[str] = None  # a checkpoint folder whose drafter weights initialise a new run
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -95,6 +182,19 @@ class ASDConfig:
     budget: float = 8.0
     gate: float = 0.25
     max_mismatches: int = 2
+
+
+@dataclass
+class DynamicTreeConfig:
+    total_tokens: int = 0  # EAGLE-2 dynamic tree of this many draft tokens (EAGLE-3 head or draft model); 0 = off
+    depth: int = 5
+    top_k: int = 8
+
+
+@dataclass
+class TypicalConfig:
+    eps: float = 0.09
+    delta: float = 0.3
 
 
 @dataclass
@@ -106,8 +206,10 @@ class InferenceConfig:
     top_p: float = 1.0
     k: int = 4  # draft tokens per cycle (chain)
     tree: List[List[int]] = field(default_factory=list)  # static tree choice paths, e.g. [[0],[1],[0,0]]; empty = chain
+    dynamic_tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)
     verifier: VerifierKind = VerifierKind.exact
     asd: ASDConfig = field(default_factory=ASDConfig)
+    typical: TypicalConfig = field(default_factory=TypicalConfig)
     seed: int = 0
 
 
@@ -117,6 +219,7 @@ class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
 
 
@@ -186,16 +289,49 @@ def _check_values(cfg: DictConfig) -> None:
     for key, (ok, rule) in checks.items():
         if not ok:
             raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
+    if inf.verifier.value == "typical" and (cfg.drafter.kind.value != "medusa" or not inf.tree):
+        raise RecipeError("recipe key 'inference.verifier': typical acceptance needs drafter.kind=medusa and a static inference.tree")
+    if inf.tree and inf.dynamic_tree.total_tokens:
+        raise RecipeError("recipe keys 'inference.tree' and 'inference.dynamic_tree.total_tokens': choose a static or a dynamic tree, not both")
     if inf.verifier.value == "asd" and inf.temperature > 0:
         raise RecipeError("recipe key 'inference.verifier': asd is defined for greedy decoding only (set inference.temperature=0)")
-    if cfg.drafter.kind.value == "draft_model":
-        if not cfg.drafter.path:
-            raise RecipeError("recipe key 'drafter.path' is required when drafter.kind is draft_model")
-        if _looks_local(cfg.drafter.path) and not Path(cfg.drafter.path).expanduser().is_dir():
-            raise RecipeError(f"recipe key 'drafter.path': draft model folder {cfg.drafter.path!r} does not exist")
+    if cfg.drafter.path and _looks_local(cfg.drafter.path) and not Path(cfg.drafter.path).expanduser().is_dir():
+        raise RecipeError(f"recipe key 'drafter.path': drafter folder {cfg.drafter.path!r} does not exist")
+    _check_training(cfg)
     model = cfg.target.model
     if model not in BUILTIN_TARGETS and _looks_local(model) and not Path(model).expanduser().is_dir():
         raise RecipeError(f"recipe key 'target.model': model folder {model!r} does not exist")
+
+
+OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")  # train/objectives.py
+
+
+def _check_training(cfg: DictConfig) -> None:
+    t, dr = cfg.train, cfg.drafter
+    unknown = [name for name in t.objective if name not in OBJECTIVES]
+    if unknown:
+        raise RecipeError(f"recipe key 'train.objective.{unknown[0]}': unknown objective (valid: {', '.join(OBJECTIVES)})")
+    if t.objective and not any(w != 0 for w in t.objective.values()):
+        raise RecipeError("recipe key 'train.objective' needs at least one non-zero weight")
+    checks = {"train.temperature": (t.temperature > 0, "> 0"), "train.jsd_beta": (0 < t.jsd_beta < 1, "in (0, 1)"),
+              "train.max_length": (t.max_length >= 2, ">= 2"), "train.epochs": (t.epochs >= 1, ">= 1"),
+              "train.max_steps": (t.max_steps >= 0, ">= 0"), "train.micro_batch_size": (t.micro_batch_size >= 1, ">= 1"),
+              "train.grad_accum": (t.grad_accum >= 1, ">= 1"), "train.lr": (t.lr > 0, "> 0"),
+              "train.warmup_steps": (t.warmup_steps >= 0, ">= 0"), "train.min_lr_ratio": (0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+              "train.grad_clip": (t.grad_clip >= 0, ">= 0"), "train.zero_stage": (t.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
+              "train.heldout": (t.heldout >= 0, ">= 0"), "train.eval_every": (t.eval_every >= 1, ">= 1"),
+              "train.save_every": (t.save_every >= 1, ">= 1"), "train.keep_checkpoints": (t.keep_checkpoints >= 1, ">= 1"),
+              "drafter.lora.r": (dr.lora.r >= 0, ">= 0"), "drafter.medusa.num_heads": (dr.medusa.num_heads >= 1, ">= 1"),
+              "drafter.medusa.num_layers": (dr.medusa.num_layers >= 0, ">= 0"),
+              "drafter.eagle.ttt_steps": (dr.eagle.ttt_steps >= 1, ">= 1"),
+              "drafter.eagle.draft_vocab_size": (dr.eagle.draft_vocab_size >= 0, ">= 0")}
+    for key, (ok, rule) in checks.items():
+        if not ok:
+            raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
+    if dr.eagle.aux_layer_ids and len(dr.eagle.aux_layer_ids) != 3:
+        raise RecipeError(f"recipe key 'drafter.eagle.aux_layer_ids' needs three layer ids (low, middle, high), got {list(dr.eagle.aux_layer_ids)}")
+    if t.warm_start and not Path(t.warm_start).expanduser().is_dir():
+        raise RecipeError(f"recipe key 'train.warm_start': checkpoint folder {t.warm_start!r} does not exist")
 
 
 def _looks_local(name: str) -> bool:
@@ -214,6 +350,7 @@ def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> 
     stderr and a non-zero exit status (2 for bad input, 130 for an interrupt).
     """
     argv = sys.argv[1:] if argv is None else argv
+    argv = [a for a in argv if not a.startswith("--local_rank")]  # added by the `deepspeed` launcher
     print_only = "--print-config" in argv
     args = [a for a in argv if a != "--print-config"]
     if not args or args[0].startswith("-") or "=" in args[0]:
@@ -221,7 +358,8 @@ def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> 
         sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...] [--print-config]")
     try:
         cfg = load_recipe(args[0], args[1:])
-        print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
+        if os.environ.get("RANK", "0") == "0":  # one copy of the recipe under a multi-rank launcher
+            print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
         if print_only:
             return
         main(cfg)

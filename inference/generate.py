@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from data.features import capture_features
 from data.io import SpecdrafterError
 from inference.sampling import SamplingParams, sampling_probs
 from inference.tree import tree_attention, tree_positions
@@ -67,8 +68,17 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
         raise SpecdrafterError(f"block length k must be >= 1, got {k}")
     if asd is not None and not params.greedy:
         raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
+    taps = getattr(proposer, "feature_layers", ())  # EAGLE / Medusa read target features; draft models do not
+    with capture_features(target, taps) as features:
+        return _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
+                           features if taps else None)
+
+
+def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
+                features) -> GenerationResult:
     committed, cache = _prefill(target, prompt_ids, max_new_tokens + k)
     proposer.reset()
+    _observe(proposer, features, slice(None))
     ledger = RegretLedger(asd.budget) if asd else None
     result = GenerationResult([])
     eos = set(eos_token_ids)
@@ -84,6 +94,7 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
         new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
         cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
         proposer.rollback(len(committed) + len(new))
+        _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
         result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1))
         done = _commit(new, committed, result, eos, max_new_tokens)
     result.asd_regret = ledger.spent if ledger else 0.0
@@ -98,8 +109,17 @@ def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[
     """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
     attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
     deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule."""
+    taps = getattr(proposer, "feature_layers", ())
+    with capture_features(target, taps) as features:
+        return _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_ids, generator,
+                          features if taps else None)
+
+
+def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_ids, generator,
+               features) -> GenerationResult:
     committed, cache = _prefill(target, prompt_ids, max_new_tokens + proposer.max_tree_size)
     proposer.reset()
+    _observe(proposer, features, slice(None))
     result, eos, done = GenerationResult([]), set(eos_token_ids), False
     while not done:
         t0 = time.perf_counter()
@@ -118,6 +138,7 @@ def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[
         cache.crop(-(shape.size - len(keep)))  # rollback: drop the rejected branches
         new = [int(tokens[j]) for j in verdict.accepted_nodes] + [verdict.next_token]
         proposer.rollback(len(committed) + len(new))
+        _observe(proposer, features, keep)  # target features of the root and the accepted path
         result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1))
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
@@ -135,6 +156,13 @@ def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[L
     if len(committed) > 1:
         target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
     return committed, cache
+
+
+def _observe(proposer, features: Optional[Dict[int, torch.Tensor]], rows) -> None:
+    """Hand the proposer the target features [n, d] of the rows just committed (after prefill: the prompt)."""
+    if features:  # empty when the proposer reads no features, or a 1-token prompt needed no prefill pass
+        proposer.observe({k: h[0, rows] for k, h in features.items()})
+        features.clear()
 
 
 def _commit(new: List[int], committed: List[int], result: GenerationResult, eos: set, max_new_tokens: int) -> bool:

@@ -12,20 +12,57 @@ from transformers import AutoModelForCausalLM
 from data.assets import load_target
 from data.io import SpecdrafterError
 from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
-from inference.proposers import DraftModelProposer, DraftModelTreeProposer, check_vocabularies, self_draft
+from inference.eagle import EagleProposer, EagleTreeProposer, load_eagle3
+from inference.medusa import MedusaProposer, MedusaTreeProposer, check_heads_fit, load_medusa, typical_generate
+from inference.proposers import (DraftModelProposer, DraftModelTreeProposer, DynamicTreeProposer, check_vocabularies,
+                                 self_draft)
 from inference.sampling import SamplingParams
 from inference.tree import tree_from_choices
 
 
 def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
+    """The draft *model* of a self_draft / draft_model recipe (also used as HF's `assistant_model`)."""
     if cfg.drafter.kind.value == "self_draft":
         return self_draft(target, cfg.drafter.num_layers)
     try:
-        draft = AutoModelForCausalLM.from_pretrained(cfg.drafter.path, dtype=target.dtype).eval()
+        draft = AutoModelForCausalLM.from_pretrained(_drafter_path(cfg), dtype=target.dtype).eval()
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
     check_vocabularies(target, draft)
     return draft
+
+
+def _drafter_path(cfg: DictConfig) -> str:
+    if not cfg.drafter.path:
+        raise SpecdrafterError(f"recipe key 'drafter.path' is required to decode with a trained {cfg.drafter.kind.value} "
+                               "(a checkpoint's drafter/ folder or an export)")
+    return cfg.drafter.path
+
+
+def build_proposer(cfg: DictConfig, target):
+    """The proposer a recipe asks for: a chain, a static tree (inference.tree) or an EAGLE-2 dynamic tree
+    (inference.dynamic_tree.total_tokens > 0). Tree proposers have `propose_tree`."""
+    inf, kind = cfg.inference, cfg.drafter.kind.value
+    dyn = inf.dynamic_tree
+    if kind == "eagle3":
+        head = load_eagle3(_drafter_path(cfg), target.dtype)
+        if inf.tree:
+            raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use inference.dynamic_tree.total_tokens")
+        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens) if dyn.total_tokens else EagleProposer(head, target)
+    if kind == "medusa":
+        heads = load_medusa(_drafter_path(cfg), target.dtype)
+        check_heads_fit(heads, target)
+        if dyn.total_tokens:
+            raise SpecdrafterError("recipe key 'inference.dynamic_tree': Medusa heads draft static trees; use inference.tree")
+        if inf.tree:
+            return MedusaTreeProposer(heads, target, tree_from_choices([list(c) for c in inf.tree], heads.num_heads))
+        return MedusaProposer(heads, target)
+    draft = build_drafter(cfg, target)
+    if inf.tree:
+        return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
+    if dyn.total_tokens:
+        return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens)
+    return DraftModelProposer(draft)
 
 
 @dataclass
@@ -48,21 +85,22 @@ def decode(cfg: DictConfig) -> DecodeReport:
     params = SamplingParams(inf.temperature, inf.top_k, inf.top_p)
     shape = tree_from_choices([list(c) for c in inf.tree]) if inf.tree else None  # checked before any load
     asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches) if inf.verifier.value == "asd" else None
-    if asd is not None and shape is not None:
+    if asd is not None and (shape is not None or inf.dynamic_tree.total_tokens):
         raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
-    drafter = build_drafter(cfg, target)
+    proposer = build_proposer(cfg, target)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": inf.prompt}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     generator = torch.Generator().manual_seed(inf.seed)
     start = time.perf_counter()
-    if shape is not None:
-        result = tree_speculative_generate(target, DraftModelTreeProposer(drafter, shape), prompt, inf.max_new_tokens,
-                                           params, eos, generator)
+    if inf.verifier.value == "typical":
+        result = typical_generate(target, proposer, prompt, inf.max_new_tokens, inf.temperature, inf.typical.eps,
+                                  inf.typical.delta, eos, generator)
+    elif hasattr(proposer, "propose_tree"):
+        result = tree_speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, eos, generator)
     else:
-        result = speculative_generate(target, DraftModelProposer(drafter), prompt, inf.max_new_tokens, params, inf.k,
-                                      eos, asd, generator)
+        result = speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, inf.k, eos, asd, generator)
     seconds = time.perf_counter() - start
     return DecodeReport(tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)

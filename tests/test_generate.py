@@ -139,15 +139,18 @@ def test_hidden_states_are_the_targets_layer_inputs(tmp_path, tiny_target, promp
     for i, ids in enumerate(shard["input_ids"]):  # one unpadded sequence at a time
         with torch.no_grad():
             ref = model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        for k in (0, 1, 2):
-            torch.testing.assert_close(cached[f"layer_{k}"][offsets[i]:offsets[i + 1]], ref[k][0], atol=1e-5, rtol=1e-4)
+        rows = slice(offsets[i], offsets[i + 1])
+        for k in (0, 1):
+            torch.testing.assert_close(cached[f"layer_{k}"][rows], ref[k][0], atol=1e-5, rtol=1e-4)
+        # id 2 = L is the last layer's output before the final norm (HF's hidden_states[L] is after it)
+        torch.testing.assert_close(model.model.norm(cached["layer_2"][rows]), ref[2][0], atol=1e-5, rtol=1e-4)
     mtime = (tmp_path / "hidden" / "shard-00001.safetensors").stat().st_mtime_ns
     generate_dataset(cfg)  # rerun: valid caches are kept
     assert (tmp_path / "hidden" / "shard-00001.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_hidden_state_layer_out_of_range_and_disk_space(tmp_path, tiny_target, prompt_file):
-    with pytest.raises(SpecdrafterError, match="layer_ids': 3 is out of range for a target with 2 layers"):
+    with pytest.raises(SpecdrafterError, match="layer_ids': layer id 3 is out of range for a target with 2 layers"):
         generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.hidden_states.layer_ids=[1,3]"))
     with pytest.raises(SpecdrafterError, match="GiB is free"):
         check_free_space(shutil.disk_usage(tmp_path).free + 2**30, tmp_path)

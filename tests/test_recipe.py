@@ -108,7 +108,7 @@ GENERATE_RECIPE = REPO / "recipes" / "smollm2-135m-generate.yaml"
                                            (["inference.top_p=0"], "inference.top_p"),
                                            (["inference.top_k=-3"], "inference.top_k"),
                                            (["inference.verifier=asd", "inference.temperature=0.7"], "inference.verifier"),
-                                           (["drafter.kind=draft_model"], "drafter.path"),
+                                           (["inference.verifier=typical"], "inference.verifier"),
                                            (["drafter.kind=draft_model", "drafter.path=./missing"], "drafter.path"),
                                            (["drafter.kind=medusa2"], "drafter.kind")])
 def test_inference_settings_are_checked_before_loading(overrides, key):

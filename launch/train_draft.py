@@ -1,0 +1,21 @@
+"""Train a draft model on target-generated data under DeepSpeed.
+
+    deepspeed [--num_accelerators 2] launch/train_draft.py RECIPE.yaml [key=value ...]   (CPU: DS_ACCELERATOR=cpu)
+    python launch/train_draft.py RECIPE.yaml [key=value ...]                             (one process)
+
+Rerun the same command after an interruption to resume from the last checkpoint.
+"""
+
+from data.io import SpecdrafterError
+from data.recipe import cli
+from train.loop import train
+
+
+def main(cfg):
+    if cfg.drafter.kind.value != "draft_model":
+        raise SpecdrafterError(f"recipe key 'drafter.kind' is {cfg.drafter.kind.value}, but this script trains draft_model")
+    train(cfg)
+
+
+if __name__ == "__main__":
+    cli(main)

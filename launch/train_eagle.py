@@ -1,0 +1,21 @@
+"""Train an EAGLE-3 head on target-generated data under DeepSpeed.
+
+    deepspeed [--num_accelerators 2] launch/train_eagle.py RECIPE.yaml [key=value ...]   (CPU: DS_ACCELERATOR=cpu)
+    python launch/train_eagle.py RECIPE.yaml [key=value ...]                             (one process)
+
+Rerun the same command after an interruption to resume from the last checkpoint.
+"""
+
+from data.io import SpecdrafterError
+from data.recipe import cli
+from train.loop import train
+
+
+def main(cfg):
+    if cfg.drafter.kind.value != "eagle3":
+        raise SpecdrafterError(f"recipe key 'drafter.kind' is {cfg.drafter.kind.value}, but this script trains eagle3")
+    train(cfg)
+
+
+if __name__ == "__main__":
+    cli(main)

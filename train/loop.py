@@ -1,0 +1,323 @@
+"""The training loop under DeepSpeed, for every drafter kind.
+
+    setup → data → drafter → deepspeed.initialize → (resume) → for each step: target pass, drafter
+    predictions, loss, backward, step → held-out metrics and checkpoints every N steps
+
+Launch with `deepspeed [--num_accelerators 2] launch/train_eagle.py RECIPE key=value ...` (on CPU with
+DS_ACCELERATOR=cpu; gloo) or `python launch/train_eagle.py ...` for one process. Rerunning the same command
+resumes from the newest complete checkpoint with the same data order, so the final weights equal an
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+# DeepSpeed picks its accelerator at import time: on a machine without CUDA it must be told to use the CPU.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from data.assets import load_target  # noqa: E402
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text  # noqa: E402
+from train.batches import TrainingData  # noqa: E402
+from train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
+from train.objectives import distill_loss  # noqa: E402
+
+log = logging.getLogger("specdrafter")
+
+# Recipe keys that may change between a checkpoint and its resumption (they do not change the trained weights
+# of the steps already taken).
+RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_checkpoints",
+                     "train.wandb", "inference", "train.warm_start")
+
+
+# ----------------------------------------------------------------------------------------------- setup
+def setup_distributed() -> tuple[int, int]:
+    """Join the process group the `deepspeed` launcher set up, or make a world of one for plain `python`."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
+    return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
+            "gradient_clipping": t.grad_clip, "zero_optimization": {"stage": t.zero_stage},
+            "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,  # torch's AdamW
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+# ------------------------------------------------------------------------------------------ objectives
+def prediction_loss(p: Prediction, t: DictConfig):
+    target = p.target_logits if p.draft_ids is None else p.target_logits[..., p.draft_ids]  # [B, T, Vd]
+    mask = getattr(p, "loss_mask", p.mask)
+    return distill_loss(target, p.draft_logits, mask, dict(t.objective) or {"soft_ce": 1.0}, t.temperature, t.jsd_beta)
+
+
+@torch.no_grad()
+def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
+    """[Σ α̂, Σ top-1 agreement, count] over the masked positions. α̂ = Σ_v min(p(v), q(v)) at the serving
+    temperature: the chance that exact speculative sampling accepts the drafted token there (= 1 − D_TV)."""
+    target = torch.softmax(p.target_logits / temperature, -1)  # [B, T, V]
+    q = torch.softmax(p.draft_logits.float() / temperature, -1)  # [B, T, Vd]
+    draft_top = p.draft_logits.argmax(-1)
+    if p.draft_ids is not None:
+        target_on_draft = target[..., p.draft_ids]  # q is zero outside the draft vocabulary
+        draft_top = p.draft_ids[draft_top]
+    else:
+        target_on_draft = target
+    alpha = torch.minimum(target_on_draft, q).sum(-1)  # [B, T]
+    top1 = (draft_top == p.target_logits.argmax(-1)).float()
+    m = p.mask.float()
+    return torch.stack([(alpha * m).sum(), (top1 * m).sum(), m.sum()])
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+def complete_checkpoints(root: Path) -> List[Path]:
+    """Checkpoint folders whose trainer_state.json (written last) exists, oldest first."""
+    return sorted(p.parent for p in root.glob("step-*/trainer_state.json"))
+
+
+def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
+    def flat(c):
+        return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
+    a, b = flat(saved), flat(cfg)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_CHANGES))
+    return [f"{k} ({a.get(k)!r} → {b.get(k)!r})" for k in keys]
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps taken
+    tokens: int = 0  # target tokens seen by this rank
+    last_metrics: Optional[Dict[str, float]] = None
+
+
+# ------------------------------------------------------------------------------------------------- train
+def train(cfg: DictConfig) -> Dict[str, float]:
+    t = cfg.train
+    rank, world = setup_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    out = Path(cfg.output_dir).expanduser()
+    root = out / "checkpoints"
+    if not t.data_dir:
+        raise SpecdrafterError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
+
+    resume = complete_checkpoints(root)[-1] if complete_checkpoints(root) else None
+    if resume is not None:
+        differences = recipe_differences(OmegaConf.load(resume / "recipe.yaml"), cfg)
+        if differences:
+            raise SpecdrafterError(f"{resume} was made by a different recipe: {', '.join(differences)}; use another "
+                                   f"output_dir (with train.warm_start={resume} to start from its weights)")
+
+    torch.manual_seed(t.seed)
+    use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and torch.cuda.is_available())
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    target.requires_grad_(False)
+    layers = needed_layers(cfg, target.config)
+    data = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed,
+                        layers if t.features.value == "offline" else ())
+    drafter = build_drafter(cfg, target, data)
+
+    per_epoch = len(data.train) // (t.micro_batch_size * world)  # micro-batches per rank per epoch
+    if per_epoch < t.grad_accum:
+        raise SpecdrafterError(f"{len(data.train)} training conversations make less than one optimizer step of "
+                               f"{t.micro_batch_size} × {t.grad_accum} × {world} ranks; lower train.micro_batch_size or train.grad_accum")
+    total = t.max_steps or t.epochs * per_epoch // t.grad_accum
+    params = [p for p in drafter.module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))
+    engine, _, _, _ = deepspeed.initialize(model=drafter.module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(t, use_bf16))
+    progress = Progress()
+    if resume is not None:
+        _, state = engine.load_checkpoint(str(root), tag=resume.name)
+        progress = Progress(state["step"], state["tokens"], state.get("metrics"))
+        torch.set_rng_state(state["rng"])
+        log.info(f"resuming from {resume} (step {progress.step} of {total})")
+    elif t.warm_start:
+        warm = Path(t.warm_start).expanduser()
+        engine.load_checkpoint(str(warm.parent), tag=warm.name, load_module_only=True)
+        log.info(f"warm start: drafter weights from {warm}")
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "recipe.yaml", OmegaConf.to_yaml(cfg))
+    logger = WandbLogger(cfg, out) if rank == 0 else None
+
+    bar = tqdm(total=total, initial=progress.step, disable=rank != 0, desc=f"train {drafter.kind}", unit="step")
+    start_time, start_tokens = time.perf_counter(), progress.tokens
+    last_good = resume
+    for step in range(progress.step, total):
+        parts: Dict[str, float] = {}
+        total_loss = 0.0
+        for micro in range(t.grad_accum):
+            g = step * t.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed
+            epoch, i = divmod(g, per_epoch)
+            order = data.epoch_order(epoch)
+            start = (i * world + rank) * t.micro_batch_size
+            batch = data.batch(order[start:start + t.micro_batch_size])
+            target_out = run_target(target, batch, layers)
+            loss = 0.0
+            for p in drafter.predictions(engine.module, batch, target_out):
+                out_p = prediction_loss(p, t)
+                loss = loss + p.weight * out_p.total
+                parts[f"loss/{p.name}"] = parts.get(f"loss/{p.name}", 0.0) + float(out_p.total) / t.grad_accum
+            if not _all_finite(loss):
+                raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
+                                       f"checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
+            total_loss += float(loss) / t.grad_accum
+            engine.backward(loss)
+            engine.step()
+            progress.tokens += batch.num_tokens
+        progress.step = step + 1
+        elapsed = time.perf_counter() - start_time
+        speed = (progress.tokens - start_tokens) * world / max(elapsed, 1e-9)
+        record = {"step": progress.step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": speed,
+                  "loss": total_loss, **parts}
+        if progress.step % t.eval_every == 0 or progress.step == total:
+            progress.last_metrics = evaluate(engine, drafter, data, target, layers, t, rank, world)
+            record.update(progress.last_metrics)
+            if rank == 0:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        if logger:
+            logger.log(record)
+        bar.set_postfix(_postfix(record, progress.last_metrics))
+        bar.update(1)
+        if progress.step % t.save_every == 0 or progress.step == total:
+            last_good = save_checkpoint(engine, drafter, cfg, root, progress, tokenizer, rank)
+    bar.close()
+    if logger:
+        logger.finish()
+    return progress.last_metrics or {}
+
+
+def _all_finite(loss: torch.Tensor) -> bool:
+    bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0])
+    dist.all_reduce(bad)  # every rank stops together
+    return bad.item() == 0
+
+
+def _postfix(record: dict, metrics: Optional[dict]) -> dict:
+    post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+    if metrics:
+        post["α̂"] = f"{metrics.get('alpha/mean', 0):.3f}"
+    return post
+
+
+@torch.no_grad()
+def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig, rank: int, world: int) -> Dict[str, float]:
+    """Held-out simulated acceptance α̂ and top-1 agreement per head / TTT step, summed over all ranks."""
+    engine.module.eval()
+    sums: Dict[str, torch.Tensor] = {}
+    mine = data.heldout[rank::world]
+    batches = [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
+    for indices in batches or [[]]:
+        if not indices:  # a rank without held-out conversations still joins the collective below
+            continue
+        batch = data.batch(indices)
+        for p in drafter.predictions(engine.module, batch, run_target(target, batch, layers)):
+            sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, t.temperature).cpu()
+    names = drafter.prediction_names
+    stacked = torch.stack([sums.get(n, torch.zeros(3)) for n in names])  # [P, 3]
+    dist.all_reduce(stacked)
+    engine.module.train()
+    metrics = {}
+    for n, (a, top1, count) in zip(names, stacked.tolist()):
+        metrics[f"alpha/{n}"] = a / max(count, 1)
+        metrics[f"top1/{n}"] = top1 / max(count, 1)
+    metrics["alpha/mean"] = sum(metrics[f"alpha/{n}"] for n in names) / len(names)
+    return metrics
+
+
+def save_checkpoint(engine, drafter, cfg: DictConfig, root: Path, progress: Progress, tokenizer, rank: int) -> Path:
+    """DeepSpeed state (exact resume) + the drafter in its HF-loadable form + the recipe; trainer_state.json is
+    written last, so a checkpoint without it (a killed save) is never resumed from."""
+    tag = f"step-{progress.step:06d}"
+    folder = root / tag
+    if folder.exists() and rank == 0:
+        shutil.rmtree(folder)  # a partial save of the same step from a killed run
+    dist.barrier()
+    state = {"step": progress.step, "tokens": progress.tokens, "rng": torch.get_rng_state(), "metrics": progress.last_metrics}
+    engine.save_checkpoint(str(root), tag=tag, client_state=state)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=cfg.train.zero_stage == 3):
+        if rank == 0:
+            drafter.save(engine.module, folder / "drafter", tokenizer)
+    if rank == 0:
+        atomic_write_text(folder / "recipe.yaml", OmegaConf.to_yaml(cfg))
+        atomic_write_json(folder / "trainer_state.json", {"step": progress.step, "tokens": progress.tokens,
+                                                          "drafter": drafter.kind, "metrics": progress.last_metrics})
+        for old in complete_checkpoints(root)[:-cfg.train.keep_checkpoints]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return folder
+
+
+class WandbLogger:
+    """wandb on rank 0; `offline` (the default) needs no account: `wandb sync <output_dir>/wandb/...` uploads."""
+
+    def __init__(self, cfg: DictConfig, out: Path):
+        self.run = None
+        if cfg.train.wandb.mode.value == "disabled":
+            return
+        import wandb  # an optional heavy import: only when logging is on
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project=cfg.train.wandb.project, name=cfg.train.wandb.name or out.name, dir=str(out),
+                              mode=cfg.train.wandb.mode.value, resume="allow", id=_run_id(out),
+                              config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+    def log(self, record: dict) -> None:
+        if self.run:
+            self.run.log(record, step=record["step"])
+
+    def finish(self) -> None:
+        if self.run:
+            self.run.finish()
+
+
+def _run_id(out: Path) -> str:
+    """One wandb run per output folder, so a resumed training continues the same run."""
+    path = out / "wandb_run_id"
+    if not path.exists():
+        import uuid
+        atomic_write_text(path, uuid.uuid4().hex[:12])
+    return path.read_text().strip()

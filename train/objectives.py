@@ -1,0 +1,134 @@
+"""Distillation objectives: per position, over the vocabulary, with a loss mask (ALGORITHMS.md §7).
+
+Convention: **p = target distribution, q = draft distribution**, both softmax(logits / T).
+    tv       ½ Σ |p − q|                      = 1 − α with α = Σ min(p, q), the expected acceptance rate
+                                                 at temperature T: minimising TV maximises acceptance.
+    fkl      Σ p log(p / q)                   forward KL, mode-covering
+    rkl      Σ q log(q / p)                   reverse KL, mode-seeking
+    jsd      β·KL(p‖m) + (1−β)·KL(q‖m)        m = βp + (1−β)q, 0 < β < 1; ≤ log 2 at β = ½
+    soft_ce  −Σ p log q                       = fkl + H(p): same gradient as fkl, offset by the entropy of p
+Train at the temperature the drafter will serve at, so the TV being minimised is the served 1 − α.
+
+-inf logits (top-k-masked targets, entries outside a draft vocabulary) are allowed: 0·log 0 = 0, never NaN.
+Where q has no mass but p does, fkl and soft_ce are +inf (and rkl where p has none but q does); that is the
+true value, so the caller must keep the draft's support covering the target's (e.g. mask the target too).
+The target side is always detached: no gradient flows into the target model or its features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")
+
+
+def _kl(a: Tensor, log_a: Tensor, log_b: Tensor) -> Tensor:
+    """KL(a‖b) = Σ a (log a − log b) over the last dim, with 0·log 0 = 0. The where() (not a * diff alone)
+    keeps -inf − -inf = NaN out of both the value and the gradient where a = 0."""
+    diff = torch.where(a > 0, log_a - log_b, 0.0)  # [..., V]
+    return (a * diff).sum(-1)  # [...]
+
+
+def total_variation(log_p: Tensor, log_q: Tensor) -> Tensor:
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)  # [...]
+
+
+def forward_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    return _kl(log_p.exp(), log_p, log_q)
+
+
+def reverse_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    return _kl(log_q.exp(), log_q, log_p)
+
+
+def jensen_shannon(log_p: Tensor, log_q: Tensor, beta: float = 0.5) -> Tensor:
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd_beta must be in (0, 1), got {beta}")
+    p, q = log_p.exp(), log_q.exp()  # [..., V]
+    m = beta * p + (1.0 - beta) * q  # [..., V]
+    # log(1) = 0 stands in where m = 0; _kl never reads it there (p, q > 0 implies m > 0) and log(0) would
+    # send 0/0 = NaN back through the gradient.
+    log_m = torch.log(torch.where(m > 0, m, 1.0))  # [..., V]
+    return beta * _kl(p, log_p, log_m) + (1.0 - beta) * _kl(q, log_q, log_m)
+
+
+def soft_cross_entropy(log_p: Tensor, log_q: Tensor) -> Tensor:
+    p = log_p.exp()  # [..., V]
+    return -(p * torch.where(p > 0, log_q, 0.0)).sum(-1)  # [...]
+
+
+def _log_probs(target_logits: Tensor, draft_logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    if target_logits.shape != draft_logits.shape:
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} and draft_logits "
+                         f"{tuple(draft_logits.shape)} must have the same shape [..., V]")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # bf16/fp16 logits are upcast: a log-softmax over ~100k entries loses too much in half precision.
+    dtype = torch.promote_types(draft_logits.dtype, torch.float32)
+    log_p = F.log_softmax(target_logits.detach().to(dtype) / temperature, dim=-1)  # [..., V]
+    log_q = F.log_softmax(draft_logits.to(dtype) / temperature, dim=-1)  # [..., V]
+    return log_p, log_q
+
+
+def _check_name(name: str) -> None:
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(OBJECTIVES)}")
+
+
+def _divergence(name: str, log_p: Tensor, log_q: Tensor, jsd_beta: float) -> Tensor:
+    if name == "jsd":
+        return jensen_shannon(log_p, log_q, jsd_beta)
+    return {"tv": total_variation, "fkl": forward_kl, "rkl": reverse_kl, "soft_ce": soft_cross_entropy}[name](
+        log_p, log_q)
+
+
+def per_position(name: str, target_logits: Tensor, draft_logits: Tensor, temperature: float = 1.0,
+                 jsd_beta: float = 0.5) -> Tensor:
+    """Objective `name` at every position: logits [..., V] (same shape) → loss [...]."""
+    _check_name(name)
+    log_p, log_q = _log_probs(target_logits, draft_logits, temperature)
+    return _divergence(name, log_p, log_q, jsd_beta)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """sum(values · mask) / max(sum(mask), 1) for a 0/1 mask. where() rather than a product, so a masked
+    position's value (even inf) and its gradient are excluded exactly."""
+    if mask.shape != values.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must match the positions {tuple(values.shape)}")
+    keep = mask.bool()  # [...]
+    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp_min(1)
+
+
+@dataclass
+class LossOutput:
+    total: Tensor  # scalar, differentiable
+    parts: dict[str, float]  # each weighted objective's masked mean (unweighted), for logging
+
+
+def distill_loss(target_logits: Tensor, draft_logits: Tensor, mask: Tensor, weights: Mapping[str, float],
+                 temperature: float = 1.0, jsd_beta: float = 0.5) -> LossOutput:
+    """total = Σ weight · masked mean, over the objectives whose weight is nonzero (only those are computed).
+    logits [..., V], mask [...] of 0/1."""
+    for name in weights:
+        _check_name(name)  # before any work, so a typo in a recipe fails at step 0
+    active = {name: w for name, w in weights.items() if w != 0}
+    if not active:
+        raise ValueError(f"distill_loss needs a nonzero weight for at least one of {', '.join(OBJECTIVES)}")
+    log_p, log_q = _log_probs(target_logits, draft_logits, temperature)  # once, shared by all objectives
+    means = {name: masked_mean(_divergence(name, log_p, log_q, jsd_beta), mask) for name in active}
+    total = sum(active[name] * mean for name, mean in means.items())
+    # One stack + tolist(): a single device sync for logging instead of one .item() per objective.
+    values = torch.stack([mean.detach() for mean in means.values()]).tolist()
+    return LossOutput(total=total, parts=dict(zip(means, values)))
+
+
+def feature_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """EAGLE-1's feature regression: SmoothL1 (β = 1) averaged over the hidden dim, then masked mean over
+    positions. predicted/target [..., d], mask [...]; the target features are detached."""
+    per_pos = F.smooth_l1_loss(predicted, target.detach(), reduction="none", beta=1.0).mean(-1)  # [...]
+    return masked_mean(per_pos, mask)
