@@ -28,6 +28,7 @@ class CycleStats:
     accepted: int  # draft tokens accepted (the bonus/correction token not counted)
     draft_s: float
     verify_s: float  # target forward + verifier
+    verifier_s: float = 0.0  # the verifier alone (the acceptance rule, after the target's logits exist)
 
 
 @dataclass
@@ -89,13 +90,14 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_tok
         t1 = time.perf_counter()
         ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()])  # [1, k+1]
         logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0]  # [k+1, V]
+        tv = time.perf_counter()
         verdict = _verify(proposal, logits, params, ledger, asd, generator)
         t2 = time.perf_counter()
         new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
         cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
-        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1))
+        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
         done = _commit(new, committed, result, eos, max_new_tokens)
     result.asd_regret = ledger.spent if ledger else 0.0
     return result
@@ -128,6 +130,7 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         past = len(committed) - 1
         logits = target(input_ids=tokens[None], cache=cache, use_cache=True, attention_mask=tree_attention(shape.ancestors_mask(), past),
                         position_ids=tree_positions(shape.depths, past)).logits[0]  # [N+1, V]
+        tv = time.perf_counter()
         if params.greedy:
             verdict = verify_tree_greedy(shape.parents, tokens, logits)
         else:
@@ -139,7 +142,7 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         new = [int(tokens[j]) for j in verdict.accepted_nodes] + [verdict.next_token]
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, keep)  # target features of the root and the accepted path
-        result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1))
+        result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
 

@@ -241,6 +241,7 @@ def typical_generate(target: nn.Module, proposer: MedusaTreeProposer, prompt_ids
             logits = target(input_ids=tokens[None], cache=cache, use_cache=True,
                             attention_mask=tree_attention(shape.ancestors_mask(), past),
                             position_ids=tree_positions(shape.depths, past)).logits[0]  # [N+1, V]
+            tv = time.perf_counter()
             candidates, path_logits = typical_inputs(paths, tokens, logits)  # [P, D], [P, D+1, V+1]
             verdict = verify_typical(candidates, path_logits, temperature, eps, delta, generator)
             t2 = time.perf_counter()
@@ -251,6 +252,6 @@ def typical_generate(target: nn.Module, proposer: MedusaTreeProposer, prompt_ids
             new = [int(tokens[j]) for j in accepted] + [verdict.next_token]
             proposer.rollback(len(committed) + len(new))
             _observe(proposer, features, keep)  # target features of the root and the accepted path
-            result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1))
+            result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
             done = _commit(new, committed, result, eos, max_new_tokens)
     return result

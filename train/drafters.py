@@ -4,9 +4,10 @@
     save(module, folder, tokenizer)                      an HF-loadable folder the inference module decodes with
 
 A Prediction pairs draft logits at position t with the target's logits at the position that predicts the same
-token, so one loss (`train.objectives.distill_loss`) and one metric (`acceptance_metrics`) serve every kind.
-With lead s, draft position t predicts x_{t+s}: it is compared with the target's row t+s−1 and counted where
-x_{t+s} is target-generated (loss_mask). Draft model: s = 1. Medusa head h: s = h + 2. EAGLE step j: s = j + 2.
+token, so one loss (`train.objectives.distill_loss`) and one metric (`train.loop.acceptance_sums`) serve every
+kind. With lead s, draft position t predicts x_{t+s}: it is compared with the target's row t+s−1, and only
+positions where x_{t+s} is target-generated (loss_mask) are computed at all.
+Draft model: s = 1. Medusa head h: s = h + 2. EAGLE-3 TTT step j: s = j + 2.
 """
 
 from __future__ import annotations
@@ -33,35 +34,47 @@ from train.eagle import build_draft_vocab, training_time_test
 class Prediction:
     name: str  # e.g. "head1", "step0", "draft"
     weight: float  # its share of the loss
-    draft_logits: torch.Tensor  # [B, T', Vd]
-    target_logits: torch.Tensor  # [B, T', V] the target's rows for the same tokens (detached)
-    mask: torch.Tensor  # [B, T'] positions that count
+    draft_logits: torch.Tensor  # [N, Vd] at the N counted positions
+    target_logits: torch.Tensor  # [N, V] the target's rows for the same tokens (no gradient)
     draft_ids: Optional[torch.Tensor] = None  # [Vd] target id of each draft-vocabulary entry (None: full vocabulary)
-
-
-def aligned(name: str, weight: float, draft_logits, target_logits, loss_mask, lead: int, draft_ids=None) -> Prediction:
-    T = loss_mask.shape[1]
-    return Prediction(name, weight, draft_logits[:, :T - lead], target_logits[:, lead - 1:T - 1], loss_mask[:, lead:],
-                      draft_ids)
+    trained: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
 
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [B, T, V]
     features: Dict[int, torch.Tensor]  # {layer id: [B, T, d]}
+    logits: torch.Tensor  # [R, V] the target's logits at the rows that predict a target-generated token
+    row_index: torch.Tensor  # [B, T] index into `logits` (−1 elsewhere)
+
+
+def counted_rows(loss_mask: torch.Tensor, lead: int):
+    """(batch, position) of every draft position t whose predicted token x_{t+lead} is target-generated."""
+    return loss_mask[:, lead:].bool().nonzero(as_tuple=True)
+
+
+def target_rows(target: TargetOutput, rows, lead: int) -> torch.Tensor:
+    """The target's logits [N, V] for the token that draft position t predicts with lead s: row t+s−1."""
+    b, t = rows
+    return target.logits[target.row_index[b, t + lead - 1]]
 
 
 @torch.no_grad()
 def run_target(target: nn.Module, batch: Batch, layers: List[int]) -> TargetOutput:
-    """The frozen target's logits and features for a batch: computed now (online) or from the data job's
-    cache (offline: batch.features holds the cached layers, including the last layer's output)."""
+    """The frozen target's features and logits for a batch: computed now (online) or from the data job's cache
+    (offline: batch.features holds the cached layers, including the last layer's output). The lm_head — a
+    large share of the target's cost — runs only at the rows whose next token carries loss."""
+    L = target.config.num_hidden_layers
     if batch.features is not None:
-        L = target.config.num_hidden_layers
         features = {k: v.to(target.dtype) for k, v in batch.features.items()}
-        return TargetOutput(target.lm_head(target.model.norm(features[L])).float(), features)  # [B, T, V]
-    with capture_features(target, layers) as captured:
-        logits = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()  # [B, T, V]
-    return TargetOutput(logits, dict(captured))
+    else:
+        with capture_features(target, layers) as captured:
+            target.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)  # the backbone only
+        features = dict(captured)
+    b, t = counted_rows(batch.loss_mask, 1)
+    row_index = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
+    row_index[b, t] = torch.arange(len(b))
+    logits = target.lm_head(target.model.norm(features[L][b, t])).float()  # [R, V]
+    return TargetOutput(features, logits, row_index)
 
 
 # ------------------------------------------------------------------------------------------ draft model
@@ -101,8 +114,11 @@ class DraftModelDrafter:
         self.prediction_names = ["draft"]
 
     def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
-        logits = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
-        return [aligned("draft", 1.0, logits, target.logits, batch.loss_mask, lead=1)]
+        out = module(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
+                     logits_to_keep=1)  # the full-vocabulary logits only where they count, below
+        rows = counted_rows(batch.loss_mask, 1)
+        logits = module.get_output_embeddings()(out.hidden_states[-1][rows])  # [N, V]
+        return [Prediction("draft", 1.0, logits, target_rows(target, rows, 1))]
 
     def save(self, module, folder: Path, tokenizer) -> None:
         fresh = AutoModelForCausalLM.from_config(self.config)
@@ -133,10 +149,13 @@ class MedusaDrafter:
         self.prediction_names = [f"head{h + 1}" for h in range(m.num_heads)]
 
     def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
-        L = self.last_layer
-        logits = module(self.norm(target.features[L]))  # [H, B, T, V]
-        return [aligned(f"head{h + 1}", self.decay ** h, logits[h], target.logits, batch.loss_mask, lead=h + 2)
-                for h in range(logits.shape[0])]
+        hidden = self.norm(target.features[self.last_layer])  # [B, T, d]
+        out = []
+        for h in range(module.num_heads):  # head h predicts x_{t+h+2}
+            rows = counted_rows(batch.loss_mask, h + 2)
+            logits = module(hidden[rows])[h]  # [N, V]
+            out.append(Prediction(f"head{h + 1}", self.decay ** h, logits, target_rows(target, rows, h + 2)))
+        return out
 
     def save(self, module, folder: Path, tokenizer) -> None:
         save_medusa(module, folder)
@@ -174,15 +193,13 @@ class Eagle3Drafter:
 
     def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
         fused = module.fuse(target.features)  # [B, T, d]
-        steps = training_time_test(module, self.embed, fused, batch.input_ids, self.steps)
-        draft_ids = module.draft_ids
-        in_vocab = module.t2d[target.logits.argmax(-1)]  # [B, T] positions whose target argmax the draft can emit
+        hidden = training_time_test(module, self.embed, fused, batch.input_ids, self.steps)  # per step [B, T, d]
         out = []
-        for j, step in enumerate(steps):
-            p = aligned(f"step{j}", self.decay ** j, step.logits, target.logits, batch.loss_mask, lead=j + 2,
-                        draft_ids=draft_ids)
-            p.loss_mask = p.mask * in_vocab[:, j + 1:in_vocab.shape[1] - 1]  # out-of-vocabulary targets are not trained on
-            out.append(p)
+        for j, h in enumerate(hidden):  # step j predicts x_{t+j+2}
+            rows = counted_rows(batch.loss_mask, j + 2)
+            p = target_rows(target, rows, j + 2)  # [N, V]
+            in_vocab = module.t2d[p.argmax(-1)]  # [N] the draft can emit the target's top token: trained on
+            out.append(Prediction(f"step{j}", self.decay ** j, module.logits(h[rows]), p, module.draft_ids, in_vocab))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:

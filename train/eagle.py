@@ -11,7 +11,6 @@ the same position t — what the head sees when it drafts j tokens ahead at deco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
@@ -49,17 +48,11 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return out
 
 
-@dataclass
-class TTTStep:
-    logits: torch.Tensor  # [B, T, Vd] draft logits at step j
-    target_position_shift: int  # j + 1: compare with the target's logits shifted left by this much
-    label_shift: int  # j + 2: the loss mask of x_{t+j+2}
-
-
 def training_time_test(head: Eagle3Head, embed: nn.Module, fused: torch.Tensor, input_ids: torch.Tensor,
-                       steps: int) -> List[TTTStep]:
-    """Run `steps` draft steps over whole sequences at once. fused [B, T, d] (head.fuse of the target
-    features), input_ids [B, T]."""
+                       steps: int) -> List[torch.Tensor]:
+    """Run `steps` draft steps over whole sequences at once; return each step's output hidden states [B, T, d]
+    (their logits, head.logits(h), predict x_{t+j+2}). fused [B, T, d] (head.fuse of the target features),
+    input_ids [B, T]."""
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)  # [B, T]
     hidden, prev_kv, out = fused, [], []
@@ -67,5 +60,5 @@ def training_time_test(head: Eagle3Head, embed: nn.Module, fused: torch.Tensor, 
         embeds = embed(shift_left(input_ids, j + 1))  # [B, T, d] x_{t+j+1}
         hidden, kv = head(hidden, embeds, positions + j, ttt_mask(T, j, input_ids.device), prev_kv=prev_kv)
         prev_kv.append(kv)
-        out.append(TTTStep(head.logits(hidden), j + 1, j + 2))  # hidden [B, T, d] feeds step j+1
+        out.append(hidden)  # [B, T, d] also the input of step j+1
     return out

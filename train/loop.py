@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from data.assets import load_target  # noqa: E402
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text  # noqa: E402
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside  # noqa: E402
 from train.batches import TrainingData  # noqa: E402
 from train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
 from train.objectives import distill_loss  # noqa: E402
@@ -76,8 +76,8 @@ def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------ objectives
 def prediction_loss(p: Prediction, t: DictConfig):
-    target = p.target_logits if p.draft_ids is None else p.target_logits[..., p.draft_ids]  # [B, T, Vd]
-    mask = getattr(p, "loss_mask", p.mask)
+    target = p.target_logits if p.draft_ids is None else p.target_logits[:, p.draft_ids]  # [N, Vd]
+    mask = torch.ones(len(target), dtype=torch.bool) if p.trained is None else p.trained  # [N]
     return distill_loss(target, p.draft_logits, mask, dict(t.objective) or {"soft_ce": 1.0}, t.temperature, t.jsd_beta)
 
 
@@ -85,18 +85,15 @@ def prediction_loss(p: Prediction, t: DictConfig):
 def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
     """[Σ α̂, Σ top-1 agreement, count] over the masked positions. α̂ = Σ_v min(p(v), q(v)) at the serving
     temperature: the chance that exact speculative sampling accepts the drafted token there (= 1 − D_TV)."""
-    target = torch.softmax(p.target_logits / temperature, -1)  # [B, T, V]
-    q = torch.softmax(p.draft_logits.float() / temperature, -1)  # [B, T, Vd]
-    draft_top = p.draft_logits.argmax(-1)
+    target = torch.softmax(p.target_logits / temperature, -1)  # [N, V]
+    q = torch.softmax(p.draft_logits.float() / temperature, -1)  # [N, Vd]
+    draft_top = p.draft_logits.argmax(-1)  # [N]
     if p.draft_ids is not None:
-        target_on_draft = target[..., p.draft_ids]  # q is zero outside the draft vocabulary
+        target = target[:, p.draft_ids]  # q is zero outside the draft vocabulary
         draft_top = p.draft_ids[draft_top]
-    else:
-        target_on_draft = target
-    alpha = torch.minimum(target_on_draft, q).sum(-1)  # [B, T]
-    top1 = (draft_top == p.target_logits.argmax(-1)).float()
-    m = p.mask.float()
-    return torch.stack([(alpha * m).sum(), (top1 * m).sum(), m.sum()])
+    alpha = torch.minimum(target, q).sum(-1)  # [N]
+    top1 = (draft_top == p.target_logits.argmax(-1)).float()  # [N]
+    return torch.stack([alpha.sum(), top1.sum(), torch.tensor(float(len(alpha)))])
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
@@ -225,6 +222,11 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         if progress.step % t.save_every == 0 or progress.step == total:
             last_good = save_checkpoint(engine, drafter, cfg, root, progress, tokenizer, rank)
     bar.close()
+    if rank == 0 and last_good is not None:  # a stable path to the newest drafter: <output_dir>/drafter
+        tmp = temp_dir_beside(out / "drafter")
+        shutil.copytree(last_good / "drafter", tmp, dirs_exist_ok=True)
+        publish_dir(tmp, out / "drafter")
+        log.info(f"drafter of step {progress.step}: {out / 'drafter'}")
     if logger:
         logger.finish()
     return progress.last_metrics or {}
