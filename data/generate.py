@@ -204,9 +204,11 @@ def check_free_space(needed: int, folder: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- shards
 def settings_fingerprint(cfg: DictConfig) -> dict:
-    """The recipe values that determine a shard's contents (batch sizes and hidden-state options do not)."""
+    """The recipe values that determine a shard's contents (batch sizes and hidden-state options do not; nor does
+    num_conversations: the selection is a prefix of one seeded order and each shard's prompt ids are checked, so
+    a dataset grows or shrinks by whole shards without regenerating the others)."""
     d = OmegaConf.to_container(cfg.data, enum_to_str=True)
-    for k in ("batch_size", "hidden_states"):
+    for k in ("batch_size", "hidden_states", "num_conversations"):
         d.pop(k)
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
             **{f"data.{k}": v for k, v in d.items()}}

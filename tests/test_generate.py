@@ -59,6 +59,17 @@ def test_job_filters_prompts_and_masks_exactly_the_target_tokens(tmp_path, tiny_
         assert row["messages"][1] == {"role": "assistant", "content": text}
 
 
+def test_dataset_shrinks_and_grows_by_whole_shards_without_regenerating(tmp_path, tiny_target, prompt_file):
+    generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.num_conversations=6"))
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "shards").glob("shard-*/shard.json")}
+    stats = generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.num_conversations=3"))
+    assert stats["conversations"] == 3 and stats["this_run"]["generated_conversations"] == 0
+    stats = generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.num_conversations=6"))
+    assert stats["conversations"] == 6 and stats["this_run"]["generated_conversations"] == 0
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "shards").glob("shard-*/shard.json")}
+    assert after == before
+
+
 def test_overlong_prompts_are_truncated_when_asked(tmp_path, tiny_target, prompt_file):
     stats = generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.overlong=truncate",
                                     "data.num_conversations=20"))

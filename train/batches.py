@@ -3,6 +3,7 @@ per-epoch order, padded batches, and — offline mode — the cached target hidd
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -31,14 +32,17 @@ class TrainingData:
     def __init__(self, data_dir: str | Path, tokenizer, target_name: str, max_length: int, heldout: int, seed: int,
                  feature_layers: Sequence[int] = ()):
         data_dir = Path(data_dir).expanduser()
-        dataset = load_generated(data_dir)
+        stats = data_dir / "stats.json"  # the data job's last run says how many shards make the dataset
+        num_shards = json.loads(stats.read_text())["shards"] if stats.is_file() else None
+        dataset = load_generated(data_dir, num_shards)
         for column in ("input_ids", "loss_mask"):
             if column not in dataset.column_names:
                 raise SpecdrafterError(f"dataset {str(data_dir)!r} has no {column!r} column; regenerate it with launch/generate_data.py")
         check_same_tokenizer(data_dir, dataset, tokenizer, target_name)
         self.sequences = [torch.tensor(ids[:max_length]) for ids in dataset["input_ids"]]
         self.masks = [torch.tensor(m[:max_length]) for m in dataset["loss_mask"]]
-        self.features = load_features(data_dir, feature_layers, len(self.sequences), max_length) if feature_layers else None
+        self.features = (load_features(data_dir, feature_layers, len(self.sequences), max_length, num_shards)
+                         if feature_layers else None)
         if len(self.sequences) <= heldout:
             raise SpecdrafterError(f"recipe key 'train.heldout' ({heldout}) leaves no training conversations out of "
                                    f"{len(self.sequences)} in {str(data_dir)!r}")
@@ -93,10 +97,10 @@ def check_same_tokenizer(data_dir: Path, dataset, tokenizer, target_name: str) -
         raise SpecdrafterError(f"dataset {str(data_dir)!r} holds token ids beyond the target's vocabulary of {len(tokenizer)}")
 
 
-def load_features(data_dir: Path, layer_ids: Sequence[int], num_conversations: int,
-                  max_length: int) -> Dict[int, List[torch.Tensor]]:
+def load_features(data_dir: Path, layer_ids: Sequence[int], num_conversations: int, max_length: int,
+                  num_shards: Optional[int] = None) -> Dict[int, List[torch.Tensor]]:
     """Per-conversation cached hidden states {layer id: [tensor [T_i, d], ...]} from hidden/shard-*.safetensors."""
-    files = sorted((data_dir / "hidden").glob("shard-*.safetensors"))
+    files = sorted((data_dir / "hidden").glob("shard-*.safetensors"))[:num_shards]
     out: Dict[int, List[torch.Tensor]] = {k: [] for k in layer_ids}
     for path in files:
         tensors = load_file(str(path))
