@@ -78,6 +78,7 @@ class DrafterKind(Enum):
     draft_model = "draft_model"  # a small causal LM sharing the target's tokenizer
     medusa = "medusa"  # Medusa heads on the target's last hidden state
     eagle3 = "eagle3"  # an EAGLE-3 head on three target layers
+    eagle1 = "eagle1"  # an EAGLE-1 head on the target's last-layer feature
 
 
 class VerifierKind(Enum):
@@ -108,6 +109,8 @@ class EagleConfig:
     ttt_steps: int = 7  # training-time-test steps
     step_decay: float = 0.8  # step j's loss weight is step_decay**j
     draft_vocab_size: int = 0  # most frequent target tokens of the training data; 0 = the full vocabulary
+    feature_weight: float = 1.0  # EAGLE-1: SmoothL1 feature regression
+    ce_weight: float = 0.1  # EAGLE-1: weight of the distillation objective
 
 
 @dataclass

@@ -139,8 +139,8 @@ def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size:
     )
 
 
-def save_eagle3(head: Eagle3Head, folder: str | Path) -> Path:
-    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+def save_eagle3(head: nn.Module, folder: str | Path) -> Path:
+    """Write an EAGLE-3 (or EAGLE-1) head's config.json + model.safetensors atomically (temp folder, rename)."""
     folder = Path(folder)
     tmp = temp_dir_beside(folder)
     head.config.save_pretrained(tmp)
@@ -149,20 +149,88 @@ def save_eagle3(head: Eagle3Head, folder: str | Path) -> Path:
 
 
 def load_eagle3(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    return _load_head(folder, dtype, "Eagle3", Eagle3Head)
+
+
+def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle1Head":
+    return _load_head(folder, dtype, EAGLE1_ARCH, Eagle1Head)
+
+
+def _load_head(folder, dtype, arch: str, cls):
     folder = Path(folder)
     try:
         config = LlamaConfig.from_pretrained(folder)
         weights = load_file(str(folder / "model.safetensors"))
     except (OSError, ValueError) as e:
-        raise SpecdrafterError(f"could not load the EAGLE-3 head in {str(folder)!r}: {str(e).splitlines()[0]}") from None
-    if "Eagle3" not in "".join(config.architectures or []):
-        raise SpecdrafterError(f"{str(folder)!r} is not an EAGLE-3 checkpoint (architectures: {config.architectures})")
-    head = Eagle3Head(config)
+        raise SpecdrafterError(f"could not load the EAGLE head in {str(folder)!r}: {str(e).splitlines()[0]}") from None
+    if arch not in "".join(config.architectures or []):
+        raise SpecdrafterError(f"{str(folder)!r} is not a {cls.__name__} checkpoint (architectures: {config.architectures})")
+    head = cls(config)
     head.load_state_dict(weights)
     return head.to(dtype).eval()
 
 
-def check_head_fits(head: Eagle3Head, target) -> None:
+# ---------------------------------------------------------------------------------------------- EAGLE-1
+EAGLE1_ARCH = "LlamaForCausalLMEagle"  # SGLang's EAGLE(-1/-2) head class
+
+
+class Eagle1Head(nn.Module):
+    """EAGLE-1 (ALGORITHMS.md §5): fc(concat(feature f_t, embedding of x_{t+1})) → one Llama decoder layer →
+    f̂_{t+1}, the predicted next feature (the target's last-layer output, pre-norm); its logits come from the
+    target's own final norm and lm_head, borrowed at run time (`attach`), so the head has the full vocabulary.
+    Later draft steps feed f̂ back as the feature."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.input_layernorm = LlamaRMSNorm(d, eps)
+        self.self_attn = EagleAttention(config, d)
+        self.post_attention_layernorm = LlamaRMSNorm(d, eps)
+        self.mlp = LlamaMLP(config)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.vocab_size, dtype=torch.long))  # full vocabulary: identity
+        self._target_head: Tuple[nn.Module, ...] = ()
+
+    def attach(self, target) -> "Eagle1Head":
+        self._target_head = (target.model.norm, target.lm_head)  # a tuple: not registered, not saved
+        return self
+
+    @property
+    def aux_layer_ids(self) -> List[int]:
+        return [self.config.eagle_config["eagle_aux_hidden_state_layer_ids"][0]]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def fuse(self, features: Dict[int, torch.Tensor]) -> torch.Tensor:
+        return features[self.aux_layer_ids[0]]  # [..., d] the last layer's output is the feature itself
+
+    def forward(self, hidden, embeds, position_ids, mask=None, cache=None, prev_kv=()):
+        x = self.fc(torch.cat([hidden, embeds], dim=-1))  # [B, T, d]
+        attn, kv = self.self_attn(self.input_layernorm(x), self.rotary_emb(x, position_ids), mask, cache, prev_kv)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv  # f̂ [B, T, d]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._target_head:
+            raise SpecdrafterError("an EAGLE-1 head needs its target's norm and lm_head: call head.attach(target)")
+        norm, lm_head = self._target_head
+        return lm_head(norm(hidden))  # [..., V]
+
+
+def eagle1_config(target_config) -> LlamaConfig:
+    config = eagle3_config(target_config, [target_config.num_hidden_layers], target_config.vocab_size)
+    config.architectures = [EAGLE1_ARCH]
+    config.draft_vocab_size = None  # the target's lm_head
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [target_config.num_hidden_layers],
+                           "use_aux_hidden_state": False, "aux_layer_id_convention": "input"}
+    return config
+
+
+def check_head_fits(head: nn.Module, target) -> None:
     t, c = target.config, head.config
     if c.vocab_size != t.vocab_size:
         raise SpecdrafterError(f"EAGLE head vocabulary ({c.vocab_size} tokens) differs from the target's ({t.vocab_size} tokens)")
@@ -174,15 +242,17 @@ def check_head_fits(head: Eagle3Head, target) -> None:
 
 
 class EagleProposer:
-    """Chain drafting with an EAGLE-3 head.
+    """Chain drafting with an EAGLE-3 (or EAGLE-1) head.
 
     The head's cache holds one entry per position t whose pair (target feature f_t, next token x_{t+1}) it has
     seen. The loop hands over features of newly committed positions through `observe`; they wait in `pending`
     until the next `propose`, which feeds them, then k − 1 of its own (hidden state, drafted token) pairs.
     """
 
-    def __init__(self, head: Eagle3Head, target):
+    def __init__(self, head: nn.Module, target):
         check_head_fits(head, target)
+        if isinstance(head, Eagle1Head):
+            head.attach(target)
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
         self.vocab_size = target.config.vocab_size
@@ -258,9 +328,9 @@ class EagleTreeProposer(EagleProposer):
     def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
-        if top_k > head.config.draft_vocab_size:
+        if top_k > len(head.d2t):
             raise SpecdrafterError(f"dynamic tree top_k ({top_k}) exceeds the EAGLE head's draft vocabulary "
-                                   f"({head.config.draft_vocab_size} tokens)")
+                                   f"({len(head.d2t)} tokens)")
         super().__init__(head, target)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_size = total_tokens + 1

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from data.assets import load_target
 from data.io import SpecdrafterError
 from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
-from inference.eagle import EagleProposer, EagleTreeProposer, load_eagle3
+from inference.eagle import EagleProposer, EagleTreeProposer, load_eagle1, load_eagle3
 from inference.medusa import MedusaProposer, MedusaTreeProposer, check_heads_fit, load_medusa, typical_generate
 from inference.proposers import (DraftModelProposer, DraftModelTreeProposer, DynamicTreeProposer, check_vocabularies,
                                  self_draft)
@@ -44,8 +44,8 @@ def build_proposer(cfg: DictConfig, target):
     (inference.dynamic_tree.total_tokens > 0). Tree proposers have `propose_tree`."""
     inf, kind = cfg.inference, cfg.drafter.kind.value
     dyn = inf.dynamic_tree
-    if kind == "eagle3":
-        head = load_eagle3(_drafter_path(cfg), target.dtype)
+    if kind in ("eagle3", "eagle1"):
+        head = (load_eagle3 if kind == "eagle3" else load_eagle1)(_drafter_path(cfg), target.dtype)
         if inf.tree:
             raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use inference.dynamic_tree.total_tokens")
         return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens) if dyn.total_tokens else EagleProposer(head, target)

@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 head on target-generated data under DeepSpeed.
+"""Train an EAGLE-3 (or, with drafter.kind=eagle1, an EAGLE-1) head on target-generated data under DeepSpeed.
 
     deepspeed [--num_accelerators 2] launch/train_eagle.py RECIPE.yaml [key=value ...]   (CPU: DS_ACCELERATOR=cpu)
     python launch/train_eagle.py RECIPE.yaml [key=value ...]                             (one process)
@@ -12,8 +12,8 @@ from train.loop import train
 
 
 def main(cfg):
-    if cfg.drafter.kind.value != "eagle3":
-        raise SpecdrafterError(f"recipe key 'drafter.kind' is {cfg.drafter.kind.value}, but this script trains eagle3")
+    if cfg.drafter.kind.value not in ("eagle3", "eagle1"):
+        raise SpecdrafterError(f"recipe key 'drafter.kind' is {cfg.drafter.kind.value}, but this script trains eagle3 or eagle1")
     train(cfg)
 
 

@@ -24,10 +24,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from data.features import capture_features, check_layer_ids
 from data.io import SpecdrafterError, publish_dir, temp_dir_beside
-from inference.eagle import Eagle3Head, eagle3_config, save_eagle3
+from inference.eagle import Eagle1Head, Eagle3Head, eagle1_config, eagle3_config, save_eagle3
 from inference.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from train.batches import Batch
-from train.eagle import build_draft_vocab, training_time_test
+from train.eagle import build_draft_vocab, shift_left, training_time_test
+from train.objectives import feature_loss
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Prediction:
     target_logits: torch.Tensor  # [N, V] the target's rows for the same tokens (no gradient)
     draft_ids: Optional[torch.Tensor] = None  # [Vd] target id of each draft-vocabulary entry (None: full vocabulary)
     trained: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
+    feature_loss: Optional[torch.Tensor] = None  # EAGLE-1's feature regression, added to the loss as is
 
 
 @dataclass
@@ -215,7 +217,35 @@ def needed_layers(cfg: DictConfig, target_config) -> List[int]:
     return [L]
 
 
-DRAFTERS = {"draft_model": DraftModelDrafter, "medusa": MedusaDrafter, "eagle3": Eagle3Drafter}
+class Eagle1Drafter:
+    """EAGLE-1: predicts the next last-layer feature; loss = feature_weight · SmoothL1(f̂_{t+1}, f_{t+1}) +
+    ce_weight · objective(p_{t+1}, q) with q from the target's norm + lm_head on f̂."""
+    kind = "eagle1"
+
+    def __init__(self, cfg: DictConfig, target: nn.Module, data=None):
+        e = cfg.drafter.eagle
+        self.module = Eagle1Head(eagle1_config(target.config)).to(target.dtype).attach(target)
+        self.embed, self.L = target.get_input_embeddings(), target.config.num_hidden_layers
+        self.feature_weight, self.ce_weight = e.feature_weight, e.ce_weight
+        self.prediction_names = ["step0"]
+
+    def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
+        f = target.features[self.L]  # [B, T, d]
+        B, T = batch.input_ids.shape
+        positions = torch.arange(T)[None].expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+        predicted, _ = module(f, self.embed(shift_left(batch.input_ids, 1)), positions, causal)  # [B, T, d] f̂_{t+1}
+        rows = counted_rows(batch.loss_mask, 2)
+        b, t = rows
+        feature = self.feature_weight * feature_loss(predicted[rows], f[b, t + 1], torch.ones(len(b), dtype=torch.bool))
+        return [Prediction("step0", self.ce_weight, module.logits(predicted[rows]), target_rows(target, rows, 2),
+                           feature_loss=feature)]
+
+    def save(self, module, folder: Path, tokenizer) -> None:
+        save_eagle3(module, folder)
+
+
+DRAFTERS = {"draft_model": DraftModelDrafter, "medusa": MedusaDrafter, "eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter}
 
 
 def build_drafter(cfg: DictConfig, target: nn.Module, data=None):

@@ -195,7 +195,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
             loss = 0.0
             for p in drafter.predictions(engine.module, batch, target_out):
                 out_p = prediction_loss(p, t)
-                loss = loss + p.weight * out_p.total
+                loss = loss + p.weight * out_p.total + (p.feature_loss if p.feature_loss is not None else 0.0)
                 parts[f"loss/{p.name}"] = parts.get(f"loss/{p.name}", 0.0) + float(out_p.total) / t.grad_accum
             if not _all_finite(loss):
                 raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
