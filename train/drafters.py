@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from data.features import capture_features, check_layer_ids
 from data.io import SpecdrafterError, publish_dir, temp_dir_beside
@@ -96,13 +96,20 @@ def draft_model_from_target(target: nn.Module, num_layers: int) -> nn.Module:
 class DraftModelDrafter:
     kind = "draft_model"
 
-    def __init__(self, cfg: DictConfig, target: nn.Module, data=None):
+    def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         dr = cfg.drafter
         if dr.path:
-            module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=target.dtype)
+            try:
+                module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=target.dtype)
+                draft_tokenizer = AutoTokenizer.from_pretrained(dr.path)
+            except (OSError, ValueError) as e:
+                raise SpecdrafterError(f"could not load draft model {dr.path!r}: {str(e).splitlines()[0]}") from None
             if module.config.vocab_size != target.config.vocab_size:
                 raise SpecdrafterError(f"draft model {dr.path!r} has a vocabulary of {module.config.vocab_size} tokens, "
                                        f"the target {target.config.vocab_size}: it must share the target's tokenizer")
+            if tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise SpecdrafterError(f"draft model {dr.path!r} has another tokenizer than the target: token ids would "
+                                       "not mean the same text")
         else:
             if not 1 <= dr.num_layers <= target.config.num_hidden_layers:
                 raise SpecdrafterError(f"recipe key 'drafter.num_layers' must be in 1..{target.config.num_hidden_layers}, got {dr.num_layers}")
@@ -141,7 +148,7 @@ class DraftModelDrafter:
 class MedusaDrafter:
     kind = "medusa"
 
-    def __init__(self, cfg: DictConfig, target: nn.Module, data=None):
+    def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         m = cfg.drafter.medusa
         self.module = init_from_target(MedusaHeads(medusa_config(target.config, m.num_heads, m.num_layers)), target)
         self.module.to(target.dtype)
@@ -171,7 +178,7 @@ def default_aux_layers(num_layers: int) -> List[int]:
 class Eagle3Drafter:
     kind = "eagle3"
 
-    def __init__(self, cfg: DictConfig, target: nn.Module, data=None):
+    def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         e = cfg.drafter.eagle
         L, V = target.config.num_hidden_layers, target.config.vocab_size
         aux = list(e.aux_layer_ids) or default_aux_layers(L)
@@ -222,7 +229,7 @@ class Eagle1Drafter:
     ce_weight · objective(p_{t+1}, q) with q from the target's norm + lm_head on f̂."""
     kind = "eagle1"
 
-    def __init__(self, cfg: DictConfig, target: nn.Module, data=None):
+    def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         e = cfg.drafter.eagle
         self.module = Eagle1Head(eagle1_config(target.config)).to(target.dtype).attach(target)
         self.embed, self.L = target.get_input_embeddings(), target.config.num_hidden_layers
@@ -248,8 +255,9 @@ class Eagle1Drafter:
 DRAFTERS = {"draft_model": DraftModelDrafter, "medusa": MedusaDrafter, "eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter}
 
 
-def build_drafter(cfg: DictConfig, target: nn.Module, data=None):
+def build_drafter(cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
+    """The recipe's drafter, initialised from the target (and, for EAGLE-3's draft vocabulary, the data)."""
     kind = cfg.drafter.kind.value
     if kind not in DRAFTERS:
         raise SpecdrafterError(f"recipe key 'drafter.kind': {kind} is not trainable (valid: {', '.join(DRAFTERS)})")
-    return DRAFTERS[kind](cfg, target, data)
+    return DRAFTERS[kind](cfg, target, data, tokenizer)
