@@ -350,7 +350,7 @@ def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> 
     """Entry point shared by the launch scripts: `script.py RECIPE [key=value ...] [--print-config]`.
 
     Prints the resolved recipe, runs `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on
-    stderr and a non-zero exit status (2 for bad input, 130 for an interrupt).
+    stderr and a non-zero exit status (1 for bad input, 130 for an interrupt).
     """
     argv = sys.argv[1:] if argv is None else argv
     argv = [a for a in argv if not a.startswith("--local_rank")]  # added by the `deepspeed` launcher

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import train.loop
 from conftest import tiny_llama_config
@@ -478,6 +478,17 @@ def test_aux_layer_out_of_range_and_draft_vocabulary_too_large(tmp_path, peaky_t
     V = target.config.vocab_size
     with pytest.raises(SpecdrafterError, match=f"draft_vocab_size' \\({V + 1}\\) exceeds the target's vocabulary of {V}"):
         build_drafter(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.draft_vocab_size={V + 1}"), target)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path, peaky_target, data_dir, target, smollm2_tokenizer):
+    draft = tmp_path / "draft"
+    shutil.copytree(peaky_target, draft)
+    other = AutoTokenizer.from_pretrained(peaky_target)
+    other.add_tokens(["<not-in-the-target>"])  # same model vocabulary size, different token table
+    other.save_pretrained(draft)
+    cfg = recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={draft}")
+    with pytest.raises(SpecdrafterError, match="has another tokenizer than the target"):
+        build_drafter(cfg, target, tokenizer=smollm2_tokenizer)
 
 
 def test_data_from_another_target_is_refused(tmp_path, peaky_target, data_dir):

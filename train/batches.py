@@ -27,6 +27,10 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def to(self, device) -> "Batch":
+        features = {k: v.to(device) for k, v in self.features.items()} if self.features is not None else None
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device), features)
+
 
 class TrainingData:
     def __init__(self, data_dir: str | Path, tokenizer, target_name: str, max_length: int, heldout: int, seed: int,

@@ -73,8 +73,8 @@ def run_target(target: nn.Module, batch: Batch, layers: List[int]) -> TargetOutp
             target.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)  # the backbone only
         features = dict(captured)
     b, t = counted_rows(batch.loss_mask, 1)
-    row_index = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
-    row_index[b, t] = torch.arange(len(b))
+    row_index = torch.full(batch.input_ids.shape, -1, dtype=torch.long, device=batch.input_ids.device)
+    row_index[b, t] = torch.arange(len(b), device=b.device)
     logits = target.lm_head(target.model.norm(features[L][b, t])).float()  # [R, V]
     return TargetOutput(features, logits, row_index)
 
@@ -101,13 +101,16 @@ class DraftModelDrafter:
         if dr.path:
             try:
                 module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=target.dtype)
-                draft_tokenizer = AutoTokenizer.from_pretrained(dr.path)
             except (OSError, ValueError) as e:
                 raise SpecdrafterError(f"could not load draft model {dr.path!r}: {str(e).splitlines()[0]}") from None
+            try:
+                draft_tokenizer = AutoTokenizer.from_pretrained(dr.path)
+            except (OSError, ValueError, TypeError):
+                draft_tokenizer = None  # a weights-only folder: only the vocabulary size can be compared
             if module.config.vocab_size != target.config.vocab_size:
                 raise SpecdrafterError(f"draft model {dr.path!r} has a vocabulary of {module.config.vocab_size} tokens, "
                                        f"the target {target.config.vocab_size}: it must share the target's tokenizer")
-            if tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            if tokenizer is not None and draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise SpecdrafterError(f"draft model {dr.path!r} has another tokenizer than the target: token ids would "
                                        "not mean the same text")
         else:
@@ -162,7 +165,7 @@ class MedusaDrafter:
         out = []
         for h in range(module.num_heads):  # head h predicts x_{t+h+2}
             rows = counted_rows(batch.loss_mask, h + 2)
-            logits = module(hidden[rows])[h]  # [N, V]
+            logits = module.lm_heads[h](module.blocks[h](hidden[rows]))  # [N, V] this head only
             out.append(Prediction(f"head{h + 1}", self.decay ** h, logits, target_rows(target, rows, h + 2)))
         return out
 
@@ -192,8 +195,8 @@ class Eagle3Drafter:
             d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
             head.d2t.copy_(d2t)
             head.t2d.copy_(t2d)
-        elif vocab == V:
-            head.t2d.fill_(True)
+        else:  # the full vocabulary, or no data to count (a shape check): the first `vocab` ids
+            head.t2d[:vocab] = True
         with torch.no_grad():  # start the pruned lm_head from the target's rows for the same tokens
             head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids])
         self.module, self.embed = head, target.get_input_embeddings()
@@ -239,12 +242,12 @@ class Eagle1Drafter:
     def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
         f = target.features[self.L]  # [B, T, d]
         B, T = batch.input_ids.shape
-        positions = torch.arange(T)[None].expand(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+        positions = torch.arange(T, device=f.device)[None].expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=f.device).tril()[None, None]
         predicted, _ = module(f, self.embed(shift_left(batch.input_ids, 1)), positions, causal)  # [B, T, d] f̂_{t+1}
         rows = counted_rows(batch.loss_mask, 2)
         b, t = rows
-        feature = self.feature_weight * feature_loss(predicted[rows], f[b, t + 1], torch.ones(len(b), dtype=torch.bool))
+        feature = self.feature_weight * feature_loss(predicted[rows], f[b, t + 1], torch.ones_like(b, dtype=torch.bool))
         return [Prediction("step0", self.ce_weight, module.logits(predicted[rows]), target_rows(target, rows, 2),
                            feature_loss=feature)]
 

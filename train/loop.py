@@ -42,6 +42,8 @@ log = logging.getLogger("specdrafter")
 
 # Recipe keys that may change between a checkpoint and its resumption (they do not change the trained weights
 # of the steps already taken).
+# A larger max_steps / epochs continues on the schedule of the new total (cosine over all steps); rerunning the
+# same command reproduces an uninterrupted run exactly.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_checkpoints",
                      "train.wandb", "inference", "train.warm_start")
 
@@ -77,7 +79,7 @@ def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
 # ------------------------------------------------------------------------------------------ objectives
 def prediction_loss(p: Prediction, t: DictConfig):
     target = p.target_logits if p.draft_ids is None else p.target_logits[:, p.draft_ids]  # [N, Vd]
-    mask = torch.ones(len(target), dtype=torch.bool) if p.trained is None else p.trained  # [N]
+    mask = torch.ones(len(target), dtype=torch.bool, device=target.device) if p.trained is None else p.trained  # [N]
     return distill_loss(target, p.draft_logits, mask, dict(t.objective) or {"soft_ce": 1.0}, t.temperature, t.jsd_beta)
 
 
@@ -93,7 +95,7 @@ def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
         draft_top = p.draft_ids[draft_top]
     alpha = torch.minimum(target, q).sum(-1)  # [N]
     top1 = (draft_top == p.target_logits.argmax(-1)).float()  # [N]
-    return torch.stack([alpha.sum(), top1.sum(), torch.tensor(float(len(alpha)))])
+    return torch.stack([alpha.sum(), top1.sum(), torch.tensor(float(len(alpha)), device=alpha.device)])
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
@@ -147,8 +149,10 @@ def train(cfg: DictConfig) -> Dict[str, float]:
 
     torch.manual_seed(t.seed)
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
     target.requires_grad_(False)
+    target.to(device)
     layers = needed_layers(cfg, target.config)
     data = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed,
                         layers if t.features.value == "offline" else ())
@@ -190,17 +194,17 @@ def train(cfg: DictConfig) -> Dict[str, float]:
             epoch, i = divmod(g, per_epoch)
             order = data.epoch_order(epoch)
             start = (i * world + rank) * t.micro_batch_size
-            batch = data.batch(order[start:start + t.micro_batch_size])
+            batch = data.batch(order[start:start + t.micro_batch_size]).to(device)
             target_out = run_target(target, batch, layers)
             loss = 0.0
             for p in drafter.predictions(engine.module, batch, target_out):
                 out_p = prediction_loss(p, t)
                 loss = loss + p.weight * out_p.total + (p.feature_loss if p.feature_loss is not None else 0.0)
-                parts[f"loss/{p.name}"] = parts.get(f"loss/{p.name}", 0.0) + float(out_p.total) / t.grad_accum
-            if not _all_finite(loss):
+                parts[f"loss/{p.name}"] = parts.get(f"loss/{p.name}", 0.0) + float(out_p.total.detach()) / t.grad_accum
+            if not _all_finite(loss, device):
                 raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
                                        f"checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
-            total_loss += float(loss) / t.grad_accum
+            total_loss += float(loss.detach()) / t.grad_accum
             engine.backward(loss)
             engine.step()
             progress.tokens += batch.num_tokens
@@ -210,7 +214,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         record = {"step": progress.step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": speed,
                   "loss": total_loss, **parts}
         if progress.step % t.eval_every == 0 or progress.step == total:
-            progress.last_metrics = evaluate(engine, drafter, data, target, layers, t, rank, world)
+            progress.last_metrics = evaluate(engine, drafter, data, target, layers, t, rank, world, device)
             record.update(progress.last_metrics)
             if rank == 0:
                 with open(out / "metrics.jsonl", "a") as f:
@@ -232,8 +236,8 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     return progress.last_metrics or {}
 
 
-def _all_finite(loss: torch.Tensor) -> bool:
-    bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0])
+def _all_finite(loss: torch.Tensor, device) -> bool:
+    bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=device)
     dist.all_reduce(bad)  # every rank stops together
     return bad.item() == 0
 
@@ -246,7 +250,8 @@ def _postfix(record: dict, metrics: Optional[dict]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig, rank: int, world: int) -> Dict[str, float]:
+def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig, rank: int, world: int,
+             device=torch.device("cpu")) -> Dict[str, float]:
     """Held-out simulated acceptance α̂ and top-1 agreement per head / TTT step, summed over all ranks."""
     engine.module.eval()
     sums: Dict[str, torch.Tensor] = {}
@@ -255,12 +260,13 @@ def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig,
     for indices in batches or [[]]:
         if not indices:  # a rank without held-out conversations still joins the collective below
             continue
-        batch = data.batch(indices)
+        batch = data.batch(indices).to(device)
         for p in drafter.predictions(engine.module, batch, run_target(target, batch, layers)):
             sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, t.temperature).cpu()
     names = drafter.prediction_names
-    stacked = torch.stack([sums.get(n, torch.zeros(3)) for n in names])  # [P, 3]
+    stacked = torch.stack([sums.get(n, torch.zeros(3)) for n in names]).to(device)  # [P, 3]
     dist.all_reduce(stacked)
+    stacked = stacked.cpu()
     engine.module.train()
     metrics = {}
     for n, (a, top1, count) in zip(names, stacked.tolist()):
