@@ -5,7 +5,10 @@ Interface (chain proposers):
     proposer.reset()                                   start a new request
     proposer.propose(committed, k, params, generator)  → Proposal of k tokens (+ their q rows)
     proposer.rollback(num_committed)                   drop state beyond the committed prefix
-Medusa and EAGLE proposers (training issue) implement the same three calls.
+Tree proposers add `propose_tree(committed)` → (TreeShape, node tokens) and `max_tree_size`.
+Proposers that read target features (inference/eagle.py, inference/medusa.py) also list `feature_layers`; the
+loop then captures those layers in its target passes and hands the rows of newly committed positions to
+`proposer.observe({layer id: [n, d]})`.
 """
 
 from __future__ import annotations
