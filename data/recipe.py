@@ -119,7 +119,8 @@ class DrafterConfig:
     # Inference: the trained drafter's folder (a checkpoint's `drafter/` or an export) or a draft model's hub id.
     # Training a draft model: optional initial weights (else the target's first `num_layers` layers).
     path: Optional[str] = None
-    num_layers: int = 6  # self_draft, and a draft model initialised from the target
+    num_layers: int = 6  # self_draft, and a draft model initialised from the target's first num_layers layers
+    layers: List[int] = field(default_factory=list)  # draft model: which target layers to copy instead, e.g. [0, 1, 28, 29]
     lora: LoraConfig = field(default_factory=LoraConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)

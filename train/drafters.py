@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -80,13 +80,17 @@ def run_target(target: nn.Module, batch: Batch, layers: List[int]) -> TargetOutp
 
 
 # ------------------------------------------------------------------------------------------ draft model
-def draft_model_from_target(target: nn.Module, num_layers: int) -> nn.Module:
-    """A small causal LM initialised as a copy of the target's embeddings, first `num_layers` decoder layers,
-    final norm and lm_head (trainable, not shared)."""
-    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": num_layers})
+def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Module:
+    """A small causal LM initialised as a copy of the target's embeddings, the decoder layers `layers` (in that
+    order), final norm and lm_head (trainable, not shared)."""
+    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": len(layers)})
     draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
-    wanted = draft.state_dict().keys()
-    missing, _ = draft.load_state_dict({k: v.clone() for k, v in target.state_dict().items() if k in wanted}, strict=False)
+    source = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layers)}  # draft prefix → target's
+    weights = {}
+    for key in draft.state_dict():
+        prefix = next((p for p in source if key.startswith(p)), None)
+        weights[key] = target.state_dict()[source[prefix] + key[len(prefix):] if prefix else key].clone()
+    missing, _ = draft.load_state_dict(weights, strict=False)
     if missing:
         raise SpecdrafterError(f"could not initialise the draft model from the target: no weights for {missing[0]}")
     draft.generation_config = target.generation_config
@@ -114,9 +118,13 @@ class DraftModelDrafter:
                 raise SpecdrafterError(f"draft model {dr.path!r} has another tokenizer than the target: token ids would "
                                        "not mean the same text")
         else:
-            if not 1 <= dr.num_layers <= target.config.num_hidden_layers:
-                raise SpecdrafterError(f"recipe key 'drafter.num_layers' must be in 1..{target.config.num_hidden_layers}, got {dr.num_layers}")
-            module = draft_model_from_target(target, dr.num_layers)
+            L = target.config.num_hidden_layers
+            layers = list(dr.layers) or list(range(dr.num_layers))
+            bad = next((j for j in layers if not 0 <= j < L), None)
+            if bad is not None or not 1 <= len(layers) <= L:
+                raise SpecdrafterError(f"recipe keys 'drafter.layers' / 'drafter.num_layers': the draft copies 1..{L} of the "
+                                       f"target's layers 0..{L - 1}, got {layers}")
+            module = draft_model_from_target(target, layers)
         self.lora = None
         if dr.lora.r > 0:
             self.lora = LoraConfig(r=dr.lora.r, lora_alpha=dr.lora.alpha, lora_dropout=dr.lora.dropout,
