@@ -149,22 +149,24 @@ def save_eagle3(head: nn.Module, folder: str | Path) -> Path:
 
 
 def load_eagle3(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    return _load_head(folder, dtype, "Eagle3", Eagle3Head)
+    return _load_head(folder, dtype, "Eagle3", Eagle3Head, "EAGLE-3 head")
 
 
 def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle1Head":
-    return _load_head(folder, dtype, EAGLE1_ARCH, Eagle1Head)
+    return _load_head(folder, dtype, EAGLE1_ARCH, Eagle1Head, "EAGLE-1 head")
 
 
-def _load_head(folder, dtype, arch: str, cls):
+def _load_head(folder, dtype, arch: str, cls, what: str):
     folder = Path(folder)
+    if not folder.is_dir():
+        raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: no such folder")
     try:
         config = LlamaConfig.from_pretrained(folder)
         weights = load_file(str(folder / "model.safetensors"))
     except (OSError, ValueError) as e:
-        raise SpecdrafterError(f"could not load the EAGLE head in {str(folder)!r}: {str(e).splitlines()[0]}") from None
+        raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: {str(e).splitlines()[0]}") from None
     if arch not in "".join(config.architectures or []):
-        raise SpecdrafterError(f"{str(folder)!r} is not a {cls.__name__} checkpoint (architectures: {config.architectures})")
+        raise SpecdrafterError(f"{str(folder)!r} is not an {what} checkpoint (architectures: {config.architectures})")
     head = cls(config)
     head.load_state_dict(weights)
     return head.to(dtype).eval()
