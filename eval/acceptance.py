@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -22,12 +22,12 @@ from inference.run import build_proposer
 from inference.sampling import SamplingParams
 
 
-def per_position_acceptance(cycles: List[CycleStats]) -> List[float]:
+def per_position_acceptance(cycles: List[CycleStats]) -> List[Optional[float]]:
     """P(draft j accepted | drafts 1..j−1 accepted), j = 1..k: the acceptance curve along the block."""
     k = max(c.drafted for c in cycles)
     reached = [sum(1 for c in cycles if c.accepted >= j and c.drafted > j) for j in range(k)]
     accepted = [sum(1 for c in cycles if c.accepted > j) for j in range(k)]
-    return [a / r if r else float("nan") for a, r in zip(accepted, reached)]
+    return [a / r if r else None for a, r in zip(accepted, reached)]  # None: no cycle got that far
 
 
 def alpha_per_token(cycles: List[CycleStats]) -> float:
@@ -73,7 +73,7 @@ def main(argv=None):
             tokens += len(result.tokens)
         rows.append({"temperature": temperature, "tokens": tokens, "target_passes": len(cycles),
                      "tau": round(tokens / len(cycles), 3), "alpha": round(alpha_per_token(cycles), 3),
-                     "per_position": [round(a, 3) for a in per_position_acceptance(cycles)]})
+                     "per_position": [None if a is None else round(a, 3) for a in per_position_acceptance(cycles)]})
         print(json.dumps(rows[-1]), file=sys.stderr)
     print(json.dumps({"drafter": cfg.drafter.kind.value, "path": cfg.drafter.path, "k": cfg.inference.k,
                       "set": args.set, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rows": rows},
