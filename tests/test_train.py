@@ -523,3 +523,18 @@ def test_heldout_must_leave_training_conversations(tmp_path, peaky_target, data_
     n = len(load_generated(data_dir))
     with pytest.raises(SpecdrafterError, match=f"'train.heldout' \\({n}\\) leaves no training conversations out of {n}"):
         train.loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, f"train.heldout={n}"))
+
+
+def test_wandb_offline_logs_the_run_and_warm_start_begins_from_a_checkpoint(tmp_path, uninterrupted, peaky_target,
+                                                                            data_dir):
+    """wandb in its default offline mode writes a local run (no account); a warm start into a new output_dir
+    begins from the checkpoint's drafter weights under a changed recipe."""
+    source = complete_checkpoints(uninterrupted / "checkpoints")[-1]
+    cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, *RESUME, "train.max_steps=1", "train.lr=1e-3",
+                 "train.wandb.mode=offline", f"train.warm_start={source}")
+    train.loop.train(cfg)
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (tmp_path / "wandb_run_id").is_file()
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    reference = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert first["loss"] < reference[0]["loss"]  # starts from trained weights, not from scratch
