@@ -236,8 +236,12 @@ def check_head_fits(head: nn.Module, target) -> None:
     t, c = target.config, head.config
     if c.vocab_size != t.vocab_size:
         raise SpecdrafterError(f"EAGLE head vocabulary ({c.vocab_size} tokens) differs from the target's ({t.vocab_size} tokens)")
-    if getattr(c, "target_hidden_size", c.hidden_size) != t.hidden_size:
-        raise SpecdrafterError(f"EAGLE head was trained for hidden size {c.target_hidden_size}, the target has {t.hidden_size}")
+    trained_for = getattr(c, "target_hidden_size", None) or c.hidden_size  # optional in the engines' configs
+    if trained_for != t.hidden_size:
+        raise SpecdrafterError(f"EAGLE head was trained for hidden size {trained_for}, the target has {t.hidden_size}")
+    if not (getattr(c, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids"):
+        raise SpecdrafterError("EAGLE head config has no eagle_config.eagle_aux_hidden_state_layer_ids: the target "
+                               "layers it reads are unknown")
     bad = [k for k in head.aux_layer_ids if not 0 <= k <= t.num_hidden_layers]
     if bad:
         raise SpecdrafterError(f"EAGLE head reads target layer {bad[0]}, but the target has {t.num_hidden_layers} layers")
