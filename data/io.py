@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
+
 
 class SpecdrafterError(Exception):
     """An error the user can fix; the CLI prints its message as one line and exits non-zero."""
@@ -70,3 +72,12 @@ def remove_stale_temps(folder: Path) -> None:
         return
     for p in folder.glob(".*.tmp"):
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def save_config_and_weights(module, folder: Path) -> Path:
+    """Publish `module.config` (config.json) + its state dict (model.safetensors) as one folder, atomically."""
+    folder = Path(folder)
+    tmp = temp_dir_beside(folder)
+    module.config.save_pretrained(tmp)
+    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(tmp / "model.safetensors"))
+    return publish_dir(tmp, folder)

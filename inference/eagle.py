@@ -18,12 +18,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from data.io import SpecdrafterError, temp_dir_beside, publish_dir
+from data.io import SpecdrafterError, save_config_and_weights
 from inference.proposers import Proposal
 from inference.sampling import SamplingParams, sampling_probs
 from inference.tree import TreeShape, tree_from_parents
@@ -141,11 +141,7 @@ def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size:
 
 def save_eagle3(head: nn.Module, folder: str | Path) -> Path:
     """Write an EAGLE-3 (or EAGLE-1) head's config.json + model.safetensors atomically (temp folder, rename)."""
-    folder = Path(folder)
-    tmp = temp_dir_beside(folder)
-    head.config.save_pretrained(tmp)
-    save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}, str(tmp / "model.safetensors"))
-    return publish_dir(tmp, folder)
+    return save_config_and_weights(head, folder)
 
 
 def load_eagle3(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PretrainedConfig
 
 from data.features import capture_features
-from data.io import SpecdrafterError, publish_dir, temp_dir_beside
+from data.io import SpecdrafterError, save_config_and_weights
 from inference.generate import CycleStats, GenerationResult, _commit, _observe, _prefill, compact_cache
 from inference.proposers import Proposal
 from inference.sampling import SamplingParams, sampling_probs
@@ -115,11 +115,7 @@ def check_heads_fit(heads: MedusaHeads, target) -> None:
 
 def save_medusa(heads: MedusaHeads, folder: str | Path) -> Path:
     """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
-    folder = Path(folder)
-    tmp = temp_dir_beside(folder)
-    heads.config.save_pretrained(tmp)
-    save_file({k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}, str(tmp / "model.safetensors"))
-    return publish_dir(tmp, folder)
+    return save_config_and_weights(heads, folder)
 
 
 def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
