@@ -128,8 +128,7 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         shape, tokens = proposer.propose_tree(committed)  # tokens: [N+1]
         t1 = time.perf_counter()
         past = len(committed) - 1
-        logits = target(input_ids=tokens[None], cache=cache, use_cache=True, attention_mask=tree_attention(shape.ancestors_mask(), past),
-                        position_ids=tree_positions(shape.depths, past)).logits[0]  # [N+1, V]
+        logits = tree_pass(target, cache, shape, tokens, past)  # [N+1, V]
         tv = time.perf_counter()
         if params.greedy:
             verdict = verify_tree_greedy(shape.parents, tokens, logits)
@@ -145,6 +144,13 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
+
+
+def tree_pass(target: nn.Module, cache: DynamicCache, shape, tokens: torch.Tensor, past: int) -> torch.Tensor:
+    """One target pass over a whole draft tree after `past` cached tokens (tree attention): logits [N+1, V]."""
+    return target(input_ids=tokens[None], cache=cache, use_cache=True,
+                  attention_mask=tree_attention(shape.ancestors_mask(), past),
+                  position_ids=tree_positions(shape.depths, past)).logits[0]
 
 
 def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[List[int], DynamicCache]:

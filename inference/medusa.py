@@ -27,10 +27,10 @@ from transformers import PretrainedConfig
 
 from data.features import capture_features
 from data.io import SpecdrafterError, save_config_and_weights
-from inference.generate import CycleStats, GenerationResult, _commit, _observe, _prefill, compact_cache
+from inference.generate import CycleStats, GenerationResult, _commit, _observe, _prefill, compact_cache, tree_pass
 from inference.proposers import Proposal
 from inference.sampling import SamplingParams, sampling_probs
-from inference.tree import TreeShape, tree_attention, tree_positions
+from inference.tree import TreeShape
 from inference.verify import verify_typical
 
 
@@ -234,9 +234,7 @@ def typical_generate(target: nn.Module, proposer: MedusaTreeProposer, prompt_ids
             shape, tokens = proposer.propose_tree(committed)  # tokens: [N+1]
             t1 = time.perf_counter()
             past = len(committed) - 1
-            logits = target(input_ids=tokens[None], cache=cache, use_cache=True,
-                            attention_mask=tree_attention(shape.ancestors_mask(), past),
-                            position_ids=tree_positions(shape.depths, past)).logits[0]  # [N+1, V]
+            logits = tree_pass(target, cache, shape, tokens, past)  # [N+1, V]
             tv = time.perf_counter()
             candidates, path_logits = typical_inputs(paths, tokens, logits)  # [P, D], [P, D+1, V+1]
             verdict = verify_typical(candidates, path_logits, temperature, eps, delta, generator)
