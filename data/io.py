@@ -74,10 +74,14 @@ def remove_stale_temps(folder: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 
+def write_config_and_weights(module, folder: Path) -> None:
+    """`module.config` (config.json) + its state dict (model.safetensors) into an existing folder."""
+    module.config.save_pretrained(folder)
+    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(Path(folder) / "model.safetensors"))
+
+
 def save_config_and_weights(module, folder: Path) -> Path:
     """Publish `module.config` (config.json) + its state dict (model.safetensors) as one folder, atomically."""
-    folder = Path(folder)
-    tmp = temp_dir_beside(folder)
-    module.config.save_pretrained(tmp)
-    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(tmp / "model.safetensors"))
-    return publish_dir(tmp, folder)
+    tmp = temp_dir_beside(Path(folder))
+    write_config_and_weights(module, tmp)
+    return publish_dir(tmp, Path(folder))

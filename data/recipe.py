@@ -100,6 +100,11 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1  # ResBlocks per head
     decay: float = 0.8  # head h's loss weight is decay**h
+    # 1 = Medusa-1 (backbone frozen); 2 = Medusa-2: the backbone is fine-tuned jointly through LoRA (drafter.lora),
+    # distilled towards the original target so that what is served stays the target; loss = backbone + heads_weight·heads
+    stage: int = 1
+    heads_weight: float = 0.2
+    backbone_lr_ratio: float = 0.1  # Medusa-2: the backbone adapter's learning rate ÷ train.lr
 
 
 @dataclass
@@ -327,6 +332,9 @@ def _check_training(cfg: DictConfig) -> None:
               "train.save_every": (t.save_every >= 1, ">= 1"), "train.keep_checkpoints": (t.keep_checkpoints >= 1, ">= 1"),
               "drafter.lora.r": (dr.lora.r >= 0, ">= 0"), "drafter.medusa.num_heads": (dr.medusa.num_heads >= 1, ">= 1"),
               "drafter.medusa.num_layers": (dr.medusa.num_layers >= 0, ">= 0"),
+              "drafter.medusa.stage": (dr.medusa.stage in (1, 2), "1 (Medusa-1) or 2 (Medusa-2)"),
+              "drafter.medusa.heads_weight": (dr.medusa.heads_weight > 0, "> 0"),
+              "drafter.medusa.backbone_lr_ratio": (dr.medusa.backbone_lr_ratio > 0, "> 0"),
               "drafter.eagle.ttt_steps": (dr.eagle.ttt_steps >= 1, ">= 1"),
               "drafter.eagle.draft_vocab_size": (dr.eagle.draft_vocab_size >= 0, ">= 0")}
     for key, (ok, rule) in checks.items():

@@ -14,11 +14,11 @@ from typing import List, Optional
 
 import torch
 
-from data.assets import load_prompt_set, load_target
+from data.assets import load_prompt_set
 from data.io import SpecdrafterError
 from data.recipe import load_recipe
 from inference.generate import CycleStats, speculative_generate, tree_speculative_generate
-from inference.run import build_proposer
+from inference.run import build_proposer, load_serving_target
 from inference.sampling import SamplingParams
 
 
@@ -47,7 +47,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
-        target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+        target, tokenizer = load_serving_target(cfg)
         proposer = build_proposer(cfg, target)
         records = load_prompt_set(args.set)[: args.prompts]
     except SpecdrafterError as e:

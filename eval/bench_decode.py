@@ -19,11 +19,11 @@ import time
 import torch
 from transformers import DynamicCache
 
-from data.assets import load_prompt_set, load_target
+from data.assets import load_prompt_set
 from data.io import SpecdrafterError
 from data.recipe import load_recipe
 from inference.generate import speculative_generate, tree_speculative_generate
-from inference.run import build_drafter, build_proposer
+from inference.run import build_drafter, build_proposer, load_serving_target
 from inference.sampling import SamplingParams
 
 
@@ -64,7 +64,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
-        target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+        target, tokenizer = load_serving_target(cfg)
         is_model = cfg.drafter.kind.value in ("self_draft", "draft_model")
         draft = build_drafter(cfg, target) if is_model else None
         chain = build_proposer(_without_trees(cfg), target)

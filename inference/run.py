@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -18,6 +20,24 @@ from inference.proposers import (DraftModelProposer, DraftModelTreeProposer, Dyn
                                  self_draft)
 from inference.sampling import SamplingParams
 from inference.tree import tree_from_choices
+
+log = logging.getLogger("specdrafter")
+
+
+def load_serving_target(cfg: DictConfig):
+    """(model, tokenizer) that decoding verifies with: the recipe's target — or, for Medusa-2 heads (a drafter
+    folder with a `backbone/`), the fine-tuned backbone trained with them, which is what Medusa-2 serves."""
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    if cfg.drafter.kind.value != "medusa" or not cfg.drafter.path or not (Path(cfg.drafter.path) / "backbone").is_dir():
+        return target, tokenizer
+    folder = Path(cfg.drafter.path) / "backbone"
+    try:
+        backbone = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).eval()
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"could not load the Medusa-2 backbone {str(folder)!r}: {str(e).splitlines()[0]}") from None
+    check_vocabularies(target, backbone)
+    log.info(f"Medusa-2: serving the backbone fine-tuned with the heads ({folder}) in place of the target")
+    return backbone, tokenizer
 
 
 def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
@@ -87,7 +107,7 @@ def decode(cfg: DictConfig) -> DecodeReport:
     asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches) if inf.verifier.value == "asd" else None
     if asd is not None and (shape is not None or inf.dynamic_tree.total_tokens):
         raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    target, tokenizer = load_serving_target(cfg)
     proposer = build_proposer(cfg, target)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": inf.prompt}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]

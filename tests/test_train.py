@@ -26,7 +26,7 @@ from data.recipe import RecipeError, load_recipe
 from inference.eagle import Eagle3Head, eagle3_config
 from inference.generate import speculative_generate
 from inference.run import build_drafter as load_draft_model
-from inference.run import build_proposer, decode
+from inference.run import build_proposer, decode, load_serving_target
 from inference.sampling import SamplingParams
 from train.batches import Batch, TrainingData
 from train.drafters import build_drafter, needed_layers, run_target
@@ -424,6 +424,71 @@ def test_raising_max_steps_on_resume_continues_exactly(tmp_path, peaky_target, d
     whole, parts = drafter_weights(tmp_path / "whole"), drafter_weights(tmp_path / "parts")
     for name in whole:
         assert torch.equal(whole[name], parts[name]), name
+
+
+# ----------------------------------------------------------------------------------------------- Medusa-2
+MEDUSA2 = ["drafter.medusa.stage=2", "drafter.lora.r=4", "drafter.medusa.heads_weight=0.2"]
+
+
+def test_medusa2_backbone_is_distilled_towards_the_target_and_feeds_the_heads(tmp_path, peaky_target, data_dir, target,
+                                                                               smollm2_tokenizer):
+    cfg = recipe("medusa", tmp_path, peaky_target, data_dir, "train.features=online", *MEDUSA2)
+    data = training_data(cfg, target, smollm2_tokenizer)
+    drafter = build_drafter(cfg, target, data)
+    assert drafter.prediction_names == ["backbone", "head1", "head2", "head3"]
+    trainable = [n for n, q in drafter.module.named_parameters() if q.requires_grad]
+    assert any(n.startswith("heads.") for n in trainable)
+    assert all("lora_" in n for n in trainable if n.startswith("backbone."))  # the backbone trains through LoRA only
+    assert not {id(q) for q in target.parameters()} & {id(q) for q in drafter.module.parameters()}
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n, q in drafter.module.named_parameters():
+            if "lora_" in n:
+                q.add_(0.05 * torch.randn_like(q))
+    batch = data.batch(data.train[:3])
+    with torch.no_grad():
+        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, needed_layers(cfg, target.config)))
+        full = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        adapted = drafter.module.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                          output_hidden_states=True)
+    assert [p.weight for p in preds] == pytest.approx([1.0, 0.2, 0.16, 0.128])
+    every = [adapted.logits] + list(drafter.module.heads(adapted.hidden_states[-1]))  # the heads read the adapted backbone
+    for p, s, draft_all in zip(preds, [1, 2, 3, 4], every):
+        b, t = batch.loss_mask[:, s:].bool().nonzero(as_tuple=True)
+        torch.testing.assert_close(p.target_logits, full.logits[b, t + s - 1], atol=1e-4, rtol=1e-5)  # the frozen target
+        torch.testing.assert_close(p.draft_logits, draft_all[b, t], atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(adapted.logits, full.logits, atol=1e-3)  # the adapter changed the backbone
+
+    # Saved: the heads folder + backbone/ (LoRA merged); decoding serves that backbone with those heads.
+    folder = tmp_path / "drafter"
+    drafter.save(drafter.module, folder, smollm2_tokenizer)
+    served = load_recipe(REPO / "recipes" / "smollm2-135m-medusa.yaml",
+                         [f"output_dir={tmp_path}", f"target.model={peaky_target}", f"drafter.path={folder}", *TINY])
+    backbone, _ = load_serving_target(served)
+    proposer = build_proposer(served, backbone)
+    with torch.no_grad():
+        torch.testing.assert_close(backbone(batch.input_ids, attention_mask=batch.attention_mask).logits, adapted.logits,
+                                   atol=1e-4, rtol=1e-5)
+    for name, value in drafter.module.heads.state_dict().items():
+        assert torch.equal(proposer.heads.state_dict()[name], value), name
+    prompt = smollm2_tokenizer("Tell me about rivers.")["input_ids"]
+    spec = speculative_generate(backbone, proposer, prompt, 12, SamplingParams(0.0), 3)
+    with torch.no_grad():
+        reference = backbone.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    assert spec.tokens == reference.tolist()[:len(spec.tokens)] and len(spec.tokens) == 12
+
+
+def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, peaky_target, data_dir):
+    train.loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, *MEDUSA2, "train.max_steps=6",
+                            "train.eval_every=3", "train.save_every=3", "train.lr=1e-2",
+                            "drafter.medusa.backbone_lr_ratio=0.01"))
+    evals = [r for r in metrics(tmp_path) if "alpha/backbone" in r]
+    assert len(evals) == 2 and evals[1]["alpha/head1"] > evals[0]["alpha/head1"]  # held-out acceptance of the heads rises
+    assert all(r["alpha/backbone"] > 0.9 for r in evals)  # while the backbone, distilled, stays ≈ the target
+    assert (final_drafter(tmp_path) / "backbone" / "model.safetensors").is_file()
+    with pytest.raises(SpecdrafterError, match="drafter.lora.r > 0"):
+        build_drafter(recipe("medusa", tmp_path, peaky_target, data_dir, "drafter.medusa.stage=2"),
+                      AutoModelForCausalLM.from_pretrained(peaky_target))
 
 
 # ------------------------------------------------------------------------ the Llama-8B recipes, shrunken

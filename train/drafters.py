@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from data.features import capture_features, check_layer_ids
-from data.io import SpecdrafterError, publish_dir, temp_dir_beside
+from data.io import SpecdrafterError, publish_dir, temp_dir_beside, write_config_and_weights
 from inference.eagle import Eagle1Head, Eagle3Head, eagle1_config, eagle3_config, save_eagle3
 from inference.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from train.batches import Batch
@@ -141,44 +141,89 @@ class DraftModelDrafter:
         return [Prediction("draft", 1.0, logits, target_rows(target, rows, 1))]
 
     def save(self, module, folder: Path, tokenizer) -> None:
-        fresh = AutoModelForCausalLM.from_config(self.config)
-        if self.lora is not None:  # merge the adapter into a fresh copy, so the export is a plain causal LM
-            fresh = get_peft_model(fresh, self.lora)
-            fresh.load_state_dict(module.state_dict())
-            fresh = fresh.merge_and_unload()
-        else:
-            fresh.load_state_dict(module.state_dict())
-        fresh.generation_config = module.generation_config
         tmp = temp_dir_beside(folder)
-        fresh.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write_causal_lm(module, self.config, self.lora, tmp, tokenizer)
         publish_dir(tmp, folder)
 
 
+def write_causal_lm(module, config, lora: Optional[LoraConfig], folder: Path, tokenizer) -> None:
+    """A plain HF causal-LM folder (weights + tokenizer) from a trained module; a LoRA adapter is merged into a
+    fresh copy, so the training module stays as it is."""
+    fresh = AutoModelForCausalLM.from_config(config)
+    if lora is not None:
+        fresh = get_peft_model(fresh, lora)
+        fresh.load_state_dict(module.state_dict())
+        fresh = fresh.merge_and_unload()
+    else:
+        fresh.load_state_dict(module.state_dict())
+    fresh.generation_config = module.generation_config
+    fresh.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 # ---------------------------------------------------------------------------------------------- Medusa
+class MedusaTwo(nn.Module):
+    """Medusa-2's trained module: the heads and a LoRA-adapted copy of the target (the backbone to serve)."""
+
+    def __init__(self, heads: MedusaHeads, backbone: nn.Module):
+        super().__init__()
+        self.heads, self.backbone = heads, backbone
+
+
 class MedusaDrafter:
+    """Medusa-1: heads on the frozen target's normed last hidden state. Medusa-2 (drafter.medusa.stage=2): the
+    heads read a LoRA-adapted copy of the target, trained jointly; its own next-token distribution is distilled
+    towards the original target's (the "backbone" prediction, weight 1) while the heads carry heads_weight.
+    Saved as the heads folder with the merged backbone in `backbone/`, which decoding then serves as the target."""
     kind = "medusa"
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
-        m = cfg.drafter.medusa
-        self.module = init_from_target(MedusaHeads(medusa_config(target.config, m.num_heads, m.num_layers)), target)
-        self.module.to(target.dtype)
-        self.norm = target.model.norm  # the heads read the normed last hidden state
-        self.decay = m.decay
+        m, lora = cfg.drafter.medusa, cfg.drafter.lora
+        heads = init_from_target(MedusaHeads(medusa_config(target.config, m.num_heads, m.num_layers)), target)
+        self.module = heads.to(target.dtype)
+        self.norm = target.model.norm  # Medusa-1 heads read the frozen target's normed last hidden state
         self.last_layer = target.config.num_hidden_layers
+        self.decay, self.heads_weight, self.lora = m.decay, 1.0, None
         self.prediction_names = [f"head{h + 1}" for h in range(m.num_heads)]
+        if m.stage == 2:
+            if lora.r == 0:
+                raise SpecdrafterError("recipe key 'drafter.medusa.stage': Medusa-2 fine-tunes the backbone through LoRA; "
+                                       "set drafter.lora.r > 0")
+            self.lora = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                   target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+            backbone = draft_model_from_target(target, range(self.last_layer))  # a trainable copy; the target stays frozen
+            self.module = MedusaTwo(heads, get_peft_model(backbone, self.lora))
+            self.backbone_config, self.heads_weight = backbone.config, m.heads_weight
+            self.lr_scales = {"backbone.": m.backbone_lr_ratio}  # Medusa-2: the backbone moves slower than the heads
+            self.prediction_names = ["backbone"] + self.prediction_names
 
     def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
-        hidden = self.norm(target.features[self.last_layer])  # [B, T, d]
-        out = []
-        for h in range(module.num_heads):  # head h predicts x_{t+h+2}
+        out, heads = [], module
+        if isinstance(module, MedusaTwo):
+            heads = module.heads
+            run = module.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                  output_hidden_states=True, logits_to_keep=1)
+            hidden = run.hidden_states[-1]  # [B, T, d] the adapted backbone's normed last hidden state
+            rows = counted_rows(batch.loss_mask, 1)
+            logits = module.backbone.get_output_embeddings()(hidden[rows])
+            out.append(Prediction("backbone", 1.0, logits, target_rows(target, rows, 1)))
+        else:
+            hidden = self.norm(target.features[self.last_layer])  # [B, T, d]
+        for h in range(heads.num_heads):  # head h predicts x_{t+h+2}
             rows = counted_rows(batch.loss_mask, h + 2)
-            logits = module.lm_heads[h](module.blocks[h](hidden[rows]))  # [N, V] this head only
-            out.append(Prediction(f"head{h + 1}", self.decay ** h, logits, target_rows(target, rows, h + 2)))
+            logits = heads.lm_heads[h](heads.blocks[h](hidden[rows]))  # [N, V] this head only
+            out.append(Prediction(f"head{h + 1}", self.heads_weight * self.decay ** h, logits,
+                                  target_rows(target, rows, h + 2)))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:
-        save_medusa(module, folder)
+        if not isinstance(module, MedusaTwo):
+            save_medusa(module, folder)
+            return
+        tmp = temp_dir_beside(folder)
+        write_config_and_weights(module.heads, tmp)
+        write_causal_lm(module.backbone, self.backbone_config, self.lora, tmp / "backbone", tokenizer)
+        publish_dir(tmp, folder)
 
 
 # ----------------------------------------------------------------------------------------------- EAGLE-3

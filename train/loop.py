@@ -69,6 +69,18 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def param_groups(drafter, lr: float) -> List[dict]:
+    """The trainable parameters, grouped by learning rate: a drafter may scale some (drafter.lr_scales:
+    {parameter-name prefix: factor}, e.g. Medusa-2's backbone adapter)."""
+    scales = getattr(drafter, "lr_scales", {})
+    groups: Dict[float, list] = {}
+    for name, p in drafter.module.named_parameters():
+        if p.requires_grad:
+            scale = next((f for prefix, f in scales.items() if name.startswith(prefix)), 1.0)
+            groups.setdefault(scale, []).append(p)
+    return [{"params": ps, "lr": lr * scale} for scale, ps in groups.items()]
+
+
 def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
     return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
             "gradient_clipping": t.grad_clip, "zero_optimization": {"stage": t.zero_stage},
@@ -163,8 +175,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         raise SpecdrafterError(f"{len(data.train)} training conversations make less than one optimizer step of "
                                f"{t.micro_batch_size} × {t.grad_accum} × {world} ranks; lower train.micro_batch_size or train.grad_accum")
     total = t.max_steps or t.epochs * per_epoch // t.grad_accum
-    params = [p for p in drafter.module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=drafter.module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(t, use_bf16))
