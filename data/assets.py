@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List
 
+import datasets
 import platformdirs
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -109,25 +110,49 @@ def ensure_prompt_set(name: str, cache: Path | None = None) -> Path:
 
 
 def load_prompt_set(name_or_path: str) -> List[dict]:
-    """Records of a built-in set, or of a user JSONL file whose lines hold `turns` (list) or `prompt` (str)."""
+    """Records {id, source, category, turns, reference} of a built-in set, of a user JSONL file, or of a saved
+    `datasets` folder. A user row holds `turns` (list of str), `prompt` (str), or `messages` / `conversations`
+    (chat turns as {role, content} or ShareGPT's {from, value}; the user turns are the prompts)."""
     path = ensure_prompt_set(name_or_path) if name_or_path in NORMALISERS else Path(name_or_path).expanduser()
-    if not path.is_file():
+    if path.is_dir():
+        try:
+            rows = enumerate(datasets.load_from_disk(str(path)), 1)
+        except (OSError, ValueError, FileNotFoundError) as e:
+            raise SpecdrafterError(f"{path}: not a saved datasets folder ({str(e).splitlines()[0]})") from None
+    elif path.is_file():
+        rows = _jsonl_rows(path)
+    else:
         raise SpecdrafterError(f"prompt file not found: {path}")
     records = []
+    for i, r in rows:
+        try:
+            turns = _user_turns(r)
+        except (ValueError, AttributeError, TypeError) as e:
+            raise SpecdrafterError(f"{path}:{i}: not a valid prompt record ({str(e).splitlines()[0]})") from None
+        records.append({"id": str(r.get("id") or f"{path.stem}/{i}"), "source": r.get("source") or path.stem,
+                        "category": r.get("category"), "turns": turns, "reference": r.get("reference")})
+    return records
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple]:
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
-                if not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError("needs 'turns' (a list of strings) or 'prompt' (a string)")
-            except (ValueError, AttributeError) as e:
-                raise SpecdrafterError(f"{path}:{i}: not a valid prompt record ({str(e).splitlines()[0]})") from None
-            records.append({"id": str(r.get("id", f"{path.stem}/{i}")), "source": r.get("source", path.stem),
-                            "category": r.get("category"), "turns": turns, "reference": r.get("reference")})
-    return records
+            if line.strip():
+                try:
+                    yield i, json.loads(line)
+                except ValueError as e:
+                    raise SpecdrafterError(f"{path}:{i}: not valid JSON ({str(e).splitlines()[0]})") from None
+
+
+def _user_turns(r: dict) -> List[str]:
+    turns = r.get("turns") or ([r["prompt"]] if r.get("prompt") else None)
+    chat = r.get("messages") or r.get("conversations")
+    if not turns and chat:
+        turns = [m.get("content", m.get("value")) for m in chat if m.get("role", m.get("from")) in ("user", "human")]
+    if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError("needs 'turns' (a list of strings), 'prompt' (a string) or 'messages' / 'conversations' "
+                         "with user turns")
+    return turns
 
 
 def _mtbench(raw: bytes) -> Iterator[dict]:

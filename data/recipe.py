@@ -222,6 +222,30 @@ class InferenceConfig:
     seed: int = 0
 
 
+class EvalVerifier(Enum):
+    chain = "chain"  # exact chain speculative decoding with block length inference.k (greedy at T = 0)
+    tree = "tree"  # exact tree verification: inference.tree (static) or inference.dynamic_tree (EAGLE-2)
+    typical = "typical"  # Medusa typical acceptance over inference.tree (lossy)
+    asd = "asd"  # approximate speculative decoding at T = 0: inference.asd and every setting of eval.asd_sweep
+
+
+@dataclass
+class EvalConfig:
+    # What to evaluate: a training checkpoint (…/checkpoints/step-N), a drafter folder (a checkpoint's drafter/ or
+    # an export), or a run's output_dir — then every checkpoint of the run. `checkpoint=` on the command line is
+    # short for eval.checkpoint=.
+    checkpoint: Optional[str] = None
+    sets: List[str] = field(default_factory=lambda: ["mtbench", "gsm8k", "humaneval"])  # names, JSONL files or datasets folders
+    num_prompts: int = 8  # first N prompts of each set (first turns)
+    max_new_tokens: int = 64
+    temperatures: List[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
+    verifiers: List[EvalVerifier] = field(default_factory=lambda: [EvalVerifier.chain])
+    k_sweep: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])  # measured speedup vs k: newest checkpoint, first set, T = 0
+    asd_sweep: List[List[float]] = field(default_factory=lambda: [[4, 0.25, 1], [16, 0.5, 2]])  # [budget, gate, max_mismatches]
+    output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
+    wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)
+
+
 @dataclass
 class Recipe:
     output_dir: str = MISSING
@@ -230,6 +254,7 @@ class Recipe:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:
@@ -344,6 +369,29 @@ def _check_training(cfg: DictConfig) -> None:
         raise RecipeError(f"recipe key 'drafter.eagle.aux_layer_ids' needs three layer ids (low, middle, high), got {list(dr.eagle.aux_layer_ids)}")
     if t.warm_start and not Path(t.warm_start).expanduser().is_dir():
         raise RecipeError(f"recipe key 'train.warm_start': checkpoint folder {t.warm_start!r} does not exist")
+    _check_eval(cfg)
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    e, kind, inf = cfg.eval, cfg.drafter.kind.value, cfg.inference
+    checks = {"eval.num_prompts": (e.num_prompts >= 1, ">= 1"), "eval.max_new_tokens": (e.max_new_tokens >= 1, ">= 1"),
+              "eval.sets": (len(e.sets) >= 1, "a non-empty list"), "eval.verifiers": (len(e.verifiers) >= 1, "a non-empty list"),
+              "eval.temperatures": (len(e.temperatures) >= 1 and all(x >= 0 for x in e.temperatures), "a non-empty list of values >= 0"),
+              "eval.k_sweep": (all(k >= 1 for k in e.k_sweep), "a list of values >= 1"),
+              "eval.asd_sweep": (all(len(s) == 3 and s[0] >= 0 and s[1] >= 0 and s[2] >= 1 for s in e.asd_sweep),
+                                 "a list of [budget >= 0, gate >= 0, max_mismatches >= 1]")}
+    for key, (ok, rule) in checks.items():
+        if not ok:
+            raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
+    for name in e.sets:
+        if name not in PROMPT_SETS and not Path(name).expanduser().exists():
+            raise RecipeError(f"recipe key 'eval.sets': {name!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) "
+                              "nor an existing JSONL file or datasets folder")
+    verifiers = {v.value for v in e.verifiers}
+    if "tree" in verifiers and not (inf.tree or inf.dynamic_tree.total_tokens):
+        raise RecipeError("recipe key 'eval.verifiers': tree needs inference.tree (static) or inference.dynamic_tree.total_tokens")
+    if "typical" in verifiers and (kind != "medusa" or not inf.tree):
+        raise RecipeError("recipe key 'eval.verifiers': typical acceptance needs drafter.kind=medusa and a static inference.tree")
 
 
 def _looks_local(name: str) -> bool:

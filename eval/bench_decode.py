@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
-from transformers import DynamicCache
 
 from data.assets import load_prompt_set
 from data.io import SpecdrafterError
@@ -25,33 +23,13 @@ from data.recipe import load_recipe
 from inference.generate import speculative_generate, tree_speculative_generate
 from inference.run import build_drafter, build_proposer, load_serving_target
 from inference.sampling import SamplingParams
-
-
-@torch.no_grad()
-def step_costs(model, context: list, sizes: list, repeats: int = 9) -> dict:
-    """Median seconds of one cached forward over n new tokens after `context`, for each n in `sizes`.
-    Sizes are interleaved within every repeat, so a noisy machine slows them alike."""
-    cache = DynamicCache()
-    model(input_ids=torch.tensor([context]), cache=cache, use_cache=True, logits_to_keep=1)
-    times = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            start = time.perf_counter()
-            model(input_ids=torch.tensor([context[:n]]), cache=cache, use_cache=True)
-            times[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: statistics.median(t) for n, t in times.items()}
+from eval.acceptance import predicted_speedup, step_costs
 
 
 def alpha_from_cycles(cycles, k: int) -> float:
     """Per-token acceptance: accepted / positions tried (a cycle tries min(accepted + 1, k) positions)."""
     tried = sum(min(c.accepted + 1, k) for c in cycles)
     return sum(c.accepted for c in cycles) / max(tried, 1)
-
-
-def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
-    tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
-    return tokens / (v + k * c)
 
 
 def main(argv=None):

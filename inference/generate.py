@@ -29,6 +29,8 @@ class CycleStats:
     draft_s: float
     verify_s: float  # target forward + verifier
     verifier_s: float = 0.0  # the verifier alone (the acceptance rule, after the target's logits exist)
+    tv: Optional[List[float]] = None  # D_TV(p_i, q_i) at each draft position tried (record_tv=True only)
+    tv_s: float = 0.0  # time spent recording tv (not part of decoding: subtract it from a timing)
 
 
 @dataclass
@@ -59,11 +61,12 @@ class ASDSettings:
 def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          params: SamplingParams = SamplingParams(0.0), k: int = 4,
                          eos_token_ids: Sequence[int] = (), asd: Optional[ASDSettings] = None,
-                         generator: Optional[torch.Generator] = None) -> GenerationResult:
+                         generator: Optional[torch.Generator] = None, record_tv: bool = False) -> GenerationResult:
     """Decode up to `max_new_tokens` after `prompt_ids`, drafting k tokens per cycle with `proposer`.
 
     Greedy (params.temperature == 0) uses `verify_greedy` (or `verify_asd` when `asd` is given); otherwise
     exact speculative sampling, so the output is distributed exactly as the target's own sampling.
+    `record_tv` stores D_TV(p, q) of every position the verifier tried (an audit of α = 1 − D_TV; costs time).
     """
     if k < 1:
         raise SpecdrafterError(f"block length k must be >= 1, got {k}")
@@ -72,11 +75,11 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
     taps = getattr(proposer, "feature_layers", ())  # EAGLE / Medusa read target features; draft models do not
     with capture_features(target, taps) as features:
         return _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
-                           features if taps else None)
+                           features if taps else None, record_tv and asd is None)
 
 
 def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
-                features) -> GenerationResult:
+                features, record_tv=False) -> GenerationResult:
     committed, cache = _prefill(target, prompt_ids, max_new_tokens + k)
     proposer.reset()
     _observe(proposer, features, slice(None))
@@ -98,6 +101,9 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_tok
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
         result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
+        if record_tv:
+            result.cycles[-1].tv = total_variation(proposal, logits, min(verdict.num_accepted + 1, k), params)
+            result.cycles[-1].tv_s = time.perf_counter() - t2
         done = _commit(new, committed, result, eos, max_new_tokens)
     result.asd_regret = ledger.spent if ledger else 0.0
     return result
@@ -190,6 +196,17 @@ def compact_cache(cache: DynamicCache, slots: List[int], start: int) -> None:
     for layer in cache.layers:
         layer.keys[:, :, start:start + len(slots)] = layer.keys[:, :, index]  # [B, H, n, D]
         layer.values[:, :, start:start + len(slots)] = layer.values[:, :, index]
+
+
+def total_variation(proposal, logits: torch.Tensor, tried: int, params: SamplingParams) -> List[float]:
+    """D_TV(p_i, q_i) = ½ Σ |p_i − q_i| at the first `tried` draft positions, p and q processed alike (at T = 0
+    both are one-hot: the draft's token vs the target's argmax)."""
+    p = sampling_probs(logits[:tried], params)  # [tried, V]
+    if proposal.probs is None or params.greedy:
+        q = torch.nn.functional.one_hot(proposal.tokens[:tried], p.shape[-1]).to(p.dtype)
+    else:
+        q = proposal.probs[:tried].to(p.dtype)
+    return (0.5 * (p - q).abs().sum(-1)).tolist()
 
 
 def _verify(proposal, logits, params, ledger, asd, generator) -> Verdict:

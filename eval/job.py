@@ -1,0 +1,379 @@
+"""The acceptance evaluation job: how much will each checkpoint accelerate the target, measured through the
+real decoding loop on this machine.
+
+    python launch/eval_acceptance.py recipes/<x>.yaml checkpoint=<checkpoint, drafter folder or run dir> [eval.*=...]
+
+A *cell* is one (checkpoint, prompt set, temperature, verifier[, k / ASD setting]): the first eval.num_prompts
+prompts of the set decoded with eval.max_new_tokens each. Cells are appended to results.json as they finish, so a
+rerun after a crash skips them. The report (report.md + plots) is rebuilt from results.json at the end.
+
+results.json (schema 1):
+    {"schema": 1, "target": str, "drafter": kind, "settings": {...the eval knobs the numbers depend on...},
+     "machine": {"target_step_s": seconds of one target decode step, "v": {"n": target pass over n tokens ÷ one}},
+     "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs"}},   target-only HF generate
+     "cells": [{"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tree_size", "asd",
+                "prompts", "tokens", "target_passes", "seconds", "tokens_per_s", "speedup",   (over the baseline)
+                "tau",            tokens per target pass, bonus included
+                "alpha",          accepted drafts / draft positions tried
+                "per_position",   P(draft j accepted | drafts 1..j−1 accepted), j = 1..k (trees: by depth)
+                "mean_tv", "alpha_tv_gap",   mean D_TV(p, q) at the tried positions and α − (1 − mean D_TV): ≈ 0 for
+                                             exact chain sampling (chain cells only; null elsewhere)
+                "c",              draft time per drafted token (per tree, for trees) ÷ target step
+                "predicted_speedup", "measured_over_predicted", "best_k" (chain: the k the formula prefers),
+                "asd_regret",     mean realised regret per prompt (ASD cells)
+                "sweep",          true for the speedup-vs-k cells
+                "outputs"}]}      a JSONL beside results.json: {id, tokens, text} per prompt
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from data.assets import load_prompt_set, load_target
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
+from eval.report import write_report
+from eval.acceptance import (alpha_per_token, best_block_length, per_position_acceptance, predicted_speedup,
+                             step_costs)
+from inference.generate import ASDSettings, speculative_generate, tree_speculative_generate
+from inference.medusa import typical_generate
+from inference.run import build_proposer
+from inference.sampling import SamplingParams
+
+log = logging.getLogger("specdrafter")
+
+
+@dataclass
+class Checkpoint:
+    name: str  # e.g. "step-000279"
+    step: Optional[int]
+    drafter: Optional[Path]  # the drafter folder (None: a self-draft, nothing to load)
+
+
+# --------------------------------------------------------------------------------------------- what to evaluate
+def find_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
+    """eval.checkpoint as a list of checkpoints, oldest first: a training checkpoint (…/step-N), a run directory
+    (every complete checkpoint in it), or a bare drafter folder (a checkpoint's drafter/ or an export)."""
+    kind, path = cfg.drafter.kind.value, cfg.eval.checkpoint or cfg.drafter.path
+    if path is None:
+        if kind == "self_draft":
+            return [Checkpoint("self_draft", None, None)]
+        raise SpecdrafterError("recipe key 'eval.checkpoint' is required: a checkpoint, a drafter folder or a run directory "
+                               "(checkpoint=... on the command line)")
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise SpecdrafterError(f"checkpoint {str(path)!r} does not exist")
+    if (path / "checkpoints").is_dir():
+        found = sorted(p.parent for p in (path / "checkpoints").glob("step-*/trainer_state.json"))
+        if not found and (path / "drafter").is_dir():
+            return [_drafter_folder(path / "drafter", kind)]
+        if not found:
+            raise SpecdrafterError(f"run directory {str(path)!r} has no complete checkpoint yet")
+        return [_training_checkpoint(p, kind) for p in found]
+    if (path / "trainer_state.json").is_file():
+        return [_training_checkpoint(path, kind)]
+    if (path / "config.json").is_file():
+        return [_drafter_folder(path, kind)]
+    raise SpecdrafterError(f"{str(path)!r} is not a checkpoint, a drafter folder or a run directory "
+                           "(no trainer_state.json, config.json or checkpoints/ in it)")
+
+
+def _training_checkpoint(folder: Path, kind: str) -> Checkpoint:
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"checkpoint {str(folder)!r}: unreadable trainer_state.json ({e})") from None
+    if state.get("drafter") not in (None, kind):
+        raise SpecdrafterError(f"checkpoint {str(folder)!r} holds a {state['drafter']} drafter, but the recipe's "
+                               f"drafter.kind is {kind}")
+    return Checkpoint(folder.name, state.get("step"), folder / "drafter")
+
+
+def _drafter_folder(folder: Path, kind: str) -> Checkpoint:
+    parent = folder.parent / "trainer_state.json"
+    if folder.name == "drafter" and parent.is_file():  # …/step-N/drafter
+        return _training_checkpoint(folder.parent, kind)
+    return Checkpoint(folder.name if folder.name != "drafter" else folder.parent.name, None, folder)
+
+
+def default_output_dir(cfg: DictConfig, checkpoints: List[Checkpoint]) -> Path:
+    if cfg.eval.output_dir:
+        return Path(cfg.eval.output_dir)
+    drafter = checkpoints[-1].drafter
+    if drafter is None:
+        return Path(cfg.output_dir) / "eval"
+    if drafter.parent.parent.name == "checkpoints":  # run/checkpoints/step-N/drafter → run/eval
+        return drafter.parent.parent.parent / "eval"
+    return drafter.parent / "eval"
+
+
+def load_sets(e: DictConfig) -> Dict[str, List[dict]]:
+    sets = {}
+    for name in e.sets:
+        records = load_prompt_set(name)[: e.num_prompts]
+        if not records:
+            raise SpecdrafterError(f"recipe key 'eval.sets': prompt set {name!r} is empty")
+        sets[Path(name).stem if Path(name).suffix else name] = records
+    return sets
+
+
+def settings(cfg: DictConfig) -> dict:
+    """The knobs every number in results.json depends on; a rerun with other values is refused."""
+    e, inf = cfg.eval, cfg.inference
+    return {"num_prompts": e.num_prompts, "max_new_tokens": e.max_new_tokens, "top_k": inf.top_k, "top_p": inf.top_p,
+            "seed": inf.seed, "tree": OmegaConf.to_container(inf.tree),
+            "dynamic_tree": OmegaConf.to_container(inf.dynamic_tree), "typical": OmegaConf.to_container(inf.typical),
+            "target": cfg.target.model}
+
+
+# ------------------------------------------------------------------------------------------------- the job
+class Results:
+    """results.json, written atomically after every cell."""
+
+    def __init__(self, folder: Path, cfg: DictConfig):
+        self.folder, self.path = folder, folder / "results.json"
+        fresh = {"schema": 1, "target": cfg.target.model, "drafter": cfg.drafter.kind.value, "settings": settings(cfg),
+                 "machine": {}, "baselines": {}, "cells": []}
+        if self.path.is_file():
+            try:
+                self.data = json.loads(self.path.read_text())
+            except ValueError:
+                raise SpecdrafterError(f"{self.path} is not valid JSON; move it away to start the evaluation afresh") from None
+            changed = [k for k, v in fresh["settings"].items() if self.data.get("settings", {}).get(k) != v]
+            if self.data.get("drafter") != fresh["drafter"] or changed:
+                what = ", ".join(changed) or "drafter.kind"
+                raise SpecdrafterError(f"{self.path} was made with other settings ({what}); use another eval.output_dir "
+                                       "or remove it")
+        else:
+            self.data = fresh
+
+    def cell(self, cell_id: str) -> Optional[dict]:
+        return next((c for c in self.data["cells"] if c["id"] == cell_id and (self.folder / c["outputs"]).is_file()), None)
+
+    def add(self, cell: dict) -> None:
+        self.data["cells"] = [c for c in self.data["cells"] if c["id"] != cell["id"]] + [cell]
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.data)
+
+
+def run_eval(cfg: DictConfig) -> Path:
+    """Evaluate every cell not yet in results.json; write results.json, report.md and the plots. Returns the folder."""
+    e = cfg.eval
+    checkpoints = find_checkpoints(cfg)  # bad input is refused before any model loads
+    sets = load_sets(e)
+    out = default_output_dir(cfg, checkpoints)
+    (out / "outputs").mkdir(parents=True, exist_ok=True)
+    results = Results(out, cfg)
+    verifiers = [v.value for v in e.verifiers]
+    k = cfg.inference.k
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    prompts = {name: [_chat(tokenizer, r) for r in records] for name, records in sets.items()}
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+
+    plan = _plan(cfg, checkpoints, list(sets), verifiers)
+    todo = [p for p in plan if results.cell(p["id"]) is None]
+    log.info(f"evaluation: {len(plan)} cells ({len(plan) - len(todo)} already in {results.path}) → {out}")
+    tree_size = 0
+    if todo:
+        tree_size = _tree_size(cfg) if any(p["verifier"] in ("tree", "typical") for p in todo) else 0
+        sizes = sorted({*range(1, max([k, *e.k_sweep]) + 2), *([tree_size] if tree_size else [])})
+        costs = step_costs(target, prompts[next(iter(prompts))][0], sizes)
+        results.data["machine"] = {"target_step_s": costs[1], "v": {str(n): t / costs[1] for n, t in costs.items()}}
+        results.save()
+    machine = results.data["machine"]
+    v = {int(n): x for n, x in machine.get("v", {}).items()}
+
+    bar = tqdm(total=len(todo), desc="eval cells", unit="cell")
+    loaded: Dict[str, tuple] = {}
+    for p in todo:
+        base_id = f"{p['set']}|T={p['temperature']}"
+        if base_id not in results.data["baselines"]:
+            results.data["baselines"][base_id] = _baseline(target, prompts[p["set"]], p["temperature"], e.max_new_tokens,
+                                                           eos, out, base_id, tokenizer)
+            results.save()
+        ckpt = p.pop("_checkpoint")
+        if ckpt.name not in loaded:
+            loaded.clear()  # one checkpoint's proposers in memory at a time
+            loaded[ckpt.name] = _proposers(cfg, ckpt, target, verifiers)
+        serving, chain, tree = loaded[ckpt.name]
+        cell = _run_cell(cfg, p, serving, chain, tree, prompts[p["set"]], eos, machine["target_step_s"], v, out, tokenizer)
+        cell["speedup"] = round(cell["tokens_per_s"] / results.data["baselines"][base_id]["tokens_per_s"], 3)
+        cell["answer_accuracy"] = answer_accuracy(out / cell["outputs"], sets[p["set"]])
+        if cell["predicted_speedup"]:
+            cell["measured_over_predicted"] = round(cell["speedup"] / cell["predicted_speedup"], 3)
+        results.add(cell)
+        bar.update()
+        bar.set_postfix(cell=p["id"], tau=cell["tau"], alpha=cell["alpha"])
+    bar.close()
+
+    write_report(results.data, out)
+    if e.wandb:
+        _log_wandb(cfg, results.data, out)
+    return out
+
+
+def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verifiers: List[str]) -> List[dict]:
+    """Every cell to evaluate, in order: each checkpoint × set × temperature × verifier; then, on the newest
+    checkpoint, the speedup-vs-k sweep (first set, T = 0) and the ASD audit (T = 0: strict vs each ASD setting)."""
+    e, k, inf = cfg.eval, cfg.inference.k, cfg.inference
+    plan = []
+
+    def add(ckpt, name, temperature, verifier, k=k, asd=None, sweep=False):
+        cell_id = f"{ckpt.name}|{name}|T={temperature}|{verifier}" + (f"|k={k}" if verifier in ("chain", "asd") else "")
+        if asd:
+            cell_id += "|asd=" + ",".join(f"{x:g}" for x in asd)
+        if all(c["id"] != cell_id for c in plan):
+            plan.append({"id": cell_id, "_checkpoint": ckpt, "checkpoint": ckpt.name, "step": ckpt.step, "set": name,
+                         "temperature": float(temperature), "verifier": verifier, "k": k, "asd": asd, "sweep": sweep})
+
+    for ckpt in checkpoints:
+        for name in sets:
+            for temperature in e.temperatures:
+                for verifier in verifiers:
+                    if verifier != "asd":
+                        add(ckpt, name, temperature, verifier)
+    newest = checkpoints[-1]
+    for kk in e.k_sweep:
+        add(newest, sets[0], 0.0, "chain", k=kk, sweep=True)
+    if "asd" in verifiers:
+        a = inf.asd
+        for name in sets:
+            add(newest, name, 0.0, "chain")  # the strict reference
+            for setting in [[a.budget, a.gate, a.max_mismatches], *e.asd_sweep]:
+                add(newest, name, 0.0, "asd", asd=[float(setting[0]), float(setting[1]), int(setting[2])])
+    return plan
+
+
+def _chat(tokenizer, record: dict) -> List[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+
+
+def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
+    """(the model to verify with, the chain proposer, the tree proposer or None) for one checkpoint. A Medusa-2
+    checkpoint brings its fine-tuned backbone, which is what it serves."""
+    c = cfg.copy()
+    c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
+    serving = target
+    if c.drafter.kind.value == "medusa" and ckpt.drafter and (ckpt.drafter / "backbone").is_dir():
+        serving = AutoModelForCausalLM.from_pretrained(ckpt.drafter / "backbone", dtype=target.dtype).eval()
+    chain = c.copy()
+    chain.inference.tree, chain.inference.dynamic_tree.total_tokens = [], 0
+    tree = build_proposer(c, serving) if {"tree", "typical"} & set(verifiers) else None
+    return serving, build_proposer(chain, serving), tree
+
+
+@torch.no_grad()
+def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base_id: str, tokenizer) -> dict:
+    """Target-only decoding of the same prompts with HF `generate`: the speed every speedup is measured against."""
+    sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
+    tokens, seconds, rows = 0, 0.0, []
+    for i, prompt in enumerate(prompts):
+        torch.manual_seed(i)
+        start = time.perf_counter()
+        ids = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=eos[0] if eos else None, **sample)[0, len(prompt):].tolist()
+        seconds += time.perf_counter() - start
+        tokens += len(ids)
+        rows.append({"tokens": ids, "text": tokenizer.decode(ids, skip_special_tokens=True)})
+    name = f"outputs/baseline-{_slug(base_id)}.jsonl"
+    atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "outputs": name}
+
+
+def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Dict[int, float], out: Path,
+              tokenizer) -> dict:
+    """Decode every prompt of the cell through the loop and measure it."""
+    temperature, verifier, k = p["temperature"], p["verifier"], p["k"]
+    params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
+    asd = ASDSettings(*p["asd"]) if p["asd"] else None
+    cycles, rows, seconds, regret = [], [], 0.0, 0.0
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator().manual_seed(cfg.inference.seed + i)
+        start = time.perf_counter()
+        if verifier == "typical":
+            r = typical_generate(target, tree, prompt, cfg.eval.max_new_tokens, temperature, cfg.inference.typical.eps,
+                                 cfg.inference.typical.delta, eos, generator)
+        elif verifier == "tree":
+            r = tree_speculative_generate(target, tree, prompt, cfg.eval.max_new_tokens, params, eos, generator)
+        else:
+            r = speculative_generate(target, chain, prompt, cfg.eval.max_new_tokens, params, k, eos, asd, generator,
+                                     record_tv=verifier == "chain")
+        seconds += time.perf_counter() - start - sum(c.tv_s for c in r.cycles)  # the D_TV audit is not decoding time
+        cycles += r.cycles
+        regret += r.asd_regret
+        rows.append({"id": i, "tokens": r.tokens, "text": tokenizer.decode(r.tokens, skip_special_tokens=True)})
+    tokens = sum(len(r["tokens"]) for r in rows)
+    alpha = alpha_per_token(cycles)
+    c = sum(x.draft_s for x in cycles) / max(sum(x.drafted for x in cycles) if verifier in ("chain", "asd") else len(cycles), 1) / one
+    cell = {k_: v_ for k_, v_ in p.items()}
+    cell.update(tree_size=_tree_size(cfg) if verifier in ("tree", "typical") else None, prompts=len(prompts),
+                tokens=tokens, target_passes=len(cycles), seconds=round(seconds, 3),
+                tokens_per_s=round(tokens / seconds, 3), tau=round(tokens / max(len(cycles), 1), 3), alpha=round(alpha, 4),
+                per_position=[None if a is None else round(a, 4) for a in per_position_acceptance(cycles)],
+                mean_tv=None, alpha_tv_gap=None, c=round(c, 4), predicted_speedup=None, measured_over_predicted=None,
+                best_k=None, asd_regret=round(regret / len(prompts), 4) if asd else None)
+    tvs = [t for x in cycles for t in (x.tv or [])]
+    if tvs:
+        cell["mean_tv"] = round(sum(tvs) / len(tvs), 4)
+        cell["alpha_tv_gap"] = round(alpha - (1 - sum(tvs) / len(tvs)), 4)
+    if verifier in ("chain", "asd") and k + 1 in v:
+        cell["predicted_speedup"] = round(predicted_speedup(alpha, k, c, v[k + 1]), 3)
+        cell["best_k"] = best_block_length(alpha, c, v)
+    elif verifier in ("tree", "typical") and cell["tree_size"] in v:  # τ measured; a cycle costs the tree pass + drafting
+        cell["predicted_speedup"] = round(cell["tau"] / (v[cell["tree_size"]] + c), 3)
+    name = f"outputs/{_slug(p['id'])}.jsonl"
+    atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
+    cell["outputs"] = name
+    return cell
+
+
+def final_number(text: str) -> Optional[str]:
+    """The answer of a GSM8K-style solution: the number after '####' if there is one, else the last number."""
+    tail = text.rsplit("####", 1)[-1]
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", tail)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def answer_accuracy(outputs: Path, records: List[dict]) -> Optional[float]:
+    """Share of outputs whose final number equals the reference's, for sets whose references end in '#### N'
+    (GSM8K); None for other sets."""
+    refs = [r["reference"][0] for r in records if r.get("reference")]
+    if len(refs) != len(records) or not all("####" in ref for ref in refs):
+        return None
+    texts = [json.loads(line)["text"] for line in outputs.read_text().splitlines() if line.strip()]
+    return round(sum(final_number(t) == final_number(ref) for t, ref in zip(texts, refs)) / len(refs), 4)
+
+
+def _tree_size(cfg: DictConfig) -> int:
+    inf = cfg.inference
+    return inf.dynamic_tree.total_tokens + 1 if inf.dynamic_tree.total_tokens else len(inf.tree) + 1
+
+
+def _slug(cell_id: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-.=," else "_" for ch in cell_id)
+
+
+def _log_wandb(cfg: DictConfig, data: dict, out: Path) -> None:
+    import wandb  # optional: only when eval.wandb is set
+    w = cfg.train.wandb
+    run = wandb.init(project=w.project, name=f"{w.name or Path(cfg.output_dir).name}-eval", mode=w.mode.value,
+                     dir=str(out), job_type="eval", config={"eval": OmegaConf.to_container(cfg.eval, resolve=True)})
+    columns = ["id", "step", "set", "temperature", "verifier", "k", "tau", "alpha", "tokens_per_s", "speedup",
+               "predicted_speedup", "alpha_tv_gap"]
+    run.log({"cells": wandb.Table(columns=columns, data=[[c.get(k) for k in columns] for c in data["cells"]]),
+             **{f"plots/{p.stem}": wandb.Image(str(p)) for p in sorted(out.glob("*.png"))}})
+    run.finish()

@@ -1,0 +1,159 @@
+"""report.md and the plots of an evaluation (eval/job.py), rebuilt from results.json alone.
+
+Plots: acceptance_by_position.png (newest checkpoint, chain cells of the first set, one line per temperature),
+by_step.png (α and τ by checkpoint step), speedup_vs_k.png (the formula's curve from the measured α, c and v(n),
+and the measured speedups of the k sweep)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from data.io import atomic_write_text  # noqa: E402
+from eval.acceptance import predicted_speedup  # noqa: E402
+
+
+def write_report(data: dict, out: Path) -> Path:
+    cells = data["cells"]
+    newest = _newest(cells)
+    lines = [f"# Acceptance report: {data['drafter']} drafter for {data['target']}", ""]
+    s, m = data["settings"], data.get("machine", {})
+    lines += [f"{s['num_prompts']} prompts per set, up to {s['max_new_tokens']} new tokens each; target step "
+              f"{m.get('target_step_s', 0) * 1e3:.1f} ms on this machine; v(n) = "
+              + ", ".join(f"{n}: {x:.2f}" for n, x in m.get("v", {}).items()), ""]
+    main = [c for c in cells if c["checkpoint"] == newest and not c["sweep"] and c["verifier"] != "asd"]
+    lines += [f"## Checkpoint {newest}", "", _table(main, [
+        ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", _shape), ("α", "alpha"),
+        ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("predicted", "predicted_speedup"),
+        ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"), ("α − (1 − D_TV)", "alpha_tv_gap"),
+        ("c", "c"), ("best k", "best_k"), ("GSM8K acc.", "answer_accuracy")]), ""]
+    lines += ["Per-position acceptance (P(draft j accepted | 1..j−1 accepted)):", "",
+              _table(main, [("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
+                            ("per position", lambda c: " ".join("–" if a is None else f"{a:.2f}" for a in c["per_position"]))]), ""]
+    steps = [c for c in cells if not c["sweep"] and c["verifier"] != "asd"]
+    if len({c["checkpoint"] for c in steps}) > 1:
+        lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
+            ("checkpoint", "checkpoint"), ("step", "step"), ("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
+            ("α", "alpha"), ("τ", "tau"), ("speedup", "speedup")]), ""]
+    sweep = sorted([c for c in cells if c["sweep"]], key=lambda c: c["k"])
+    if sweep:
+        lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", _table(sweep, [
+            ("k", "k"), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), ("measured speedup", "speedup"),
+            ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
+    audit = asd_audit(data, out)
+    if audit:
+        lines += ["## ASD audit (T = 0, strict greedy vs approximate speculative decoding)", "", _table(audit, [
+            ("set", "set"), ("setting", "setting"), ("tok/s", "tokens_per_s"), ("vs strict", "vs_strict"), ("τ", "tau"),
+            ("regret / prompt", "asd_regret"), ("outputs differing", "differs"), ("GSM8K acc.", "answer_accuracy")]), ""]
+    lines += ["## Target-only baselines (HF generate)", "", _table(
+        [{"cell": k.replace("|", ", "), **b} for k, b in data["baselines"].items()], [("set, T", "cell"), ("tokens", "tokens"),
+                                                                     ("tok/s", "tokens_per_s")]), ""]
+    plots = [_plot_positions(main, out), _plot_steps(steps, out), _plot_sweep(sweep, data, out)]
+    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p]
+    return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def asd_audit(data: dict, out: Path) -> List[dict]:
+    """Each ASD cell beside its strict-greedy reference (same checkpoint, set and k): speed, regret, and the share
+    of prompts whose output differs from strict greedy's."""
+    rows = []
+    for c in [c for c in data["cells"] if c["verifier"] == "asd"]:
+        strict = next((s for s in data["cells"] if s["verifier"] == "chain" and s["temperature"] == 0 and not s["asd"]
+                       and s["checkpoint"] == c["checkpoint"] and s["set"] == c["set"] and s["k"] == c["k"]), None)
+        if strict is None:
+            continue
+        if not rows or rows[-1]["set"] != c["set"]:
+            rows.append({**strict, "setting": "strict", "vs_strict": "", "differs": ""})
+        mine, theirs = _outputs(out / c["outputs"]), _outputs(out / strict["outputs"])
+        differs = sum(a != b for a, b in zip(mine, theirs)) / max(len(mine), 1)
+        budget, gate, mismatches = c["asd"]
+        rows.append({**c, "setting": f"ASD B={budget:g} g={gate:g} M={mismatches:g}", "differs": round(differs, 3),
+                     "vs_strict": f"{100 * (c['tokens_per_s'] / strict['tokens_per_s'] - 1):+.1f} %"})
+    return rows
+
+
+def _outputs(path: Path) -> List[List[int]]:
+    return [json.loads(line)["tokens"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _newest(cells: List[dict]) -> str:
+    return max(cells, key=lambda c: (c["step"] is not None, c["step"] or 0))["checkpoint"] if cells else "–"
+
+
+def _shape(c: dict) -> str:
+    return f"tree {c['tree_size']}" if c.get("tree_size") else str(c["k"])
+
+
+def _table(rows: List[dict], columns) -> str:
+    if not rows:
+        return "(none)"
+    head = "| " + " | ".join(name for name, _ in columns) + " |"
+    rule = "|" + "---|" * len(columns)
+    body = []
+    for r in rows:
+        values = [key(r) if callable(key) else r.get(key) for _, key in columns]
+        body.append("| " + " | ".join("" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in values) + " |")
+    return "\n".join([head, rule, *body])
+
+
+def _plot_positions(cells: List[dict], out: Path):
+    chain = [c for c in cells if c["verifier"] == "chain" and c["set"] == cells[0]["set"]] if cells else []
+    if not chain:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for c in chain:
+        ys = [a for a in c["per_position"]]
+        ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker="o", label=f"T = {c['temperature']:g}")
+    ax.set(xlabel="draft position j", ylabel="P(accepted | 1..j−1 accepted)", ylim=(0, 1),
+           title=f"Acceptance by position ({chain[0]['set']}, {chain[0]['checkpoint']})")
+    ax.legend()
+    return _save(fig, out / "acceptance_by_position.png")
+
+
+def _plot_steps(cells: List[dict], out: Path):
+    stepped = [c for c in cells if c["step"] is not None and c["verifier"] == "chain"]
+    if not stepped:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    series: Dict[tuple, List[dict]] = {}
+    for c in sorted(stepped, key=lambda c: c["step"]):
+        series.setdefault((c["set"], c["temperature"]), []).append(c)
+    for (name, t), cs in series.items():
+        a1.plot([c["step"] for c in cs], [c["alpha"] for c in cs], marker="o", label=f"{name} T={t:g}")
+        a2.plot([c["step"] for c in cs], [c["tau"] for c in cs], marker="o", label=f"{name} T={t:g}")
+    a1.set(xlabel="training step", ylabel="α (per token)", title="α by checkpoint")
+    a2.set(xlabel="training step", ylabel="τ (tokens per target pass)", title="τ by checkpoint")
+    a2.legend(fontsize=7)
+    return _save(fig, out / "by_step.png")
+
+
+def _plot_sweep(sweep: List[dict], data: dict, out: Path):
+    v = {int(n): x for n, x in data.get("machine", {}).get("v", {}).items()}
+    if not sweep or not v:
+        return None
+    ref = max(sweep, key=lambda c: c["tokens"])  # the formula's inputs from the sweep's cells: mean α and c
+    alpha = sum(c["alpha"] for c in sweep) / len(sweep)
+    c_cost = sum(c["c"] for c in sweep) / len(sweep)
+    ks = [k for k in range(1, max(v)) if k + 1 in v]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(ks, [predicted_speedup(alpha, k, c_cost, v[k + 1]) for k in ks], label=f"predicted (α={alpha:.2f}, c={c_cost:.2f})")
+    ax.plot([c["k"] for c in sweep], [c["speedup"] for c in sweep], "o", label="measured")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="block length k", ylabel="speedup over target-only", title=f"Speedup vs k ({ref['set']}, T = 0)")
+    ax.legend()
+    return _save(fig, out / "speedup_vs_k.png")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,22 @@
+"""Evaluate a checkpoint (or every checkpoint of a run): acceptance, τ, speed vs the formula; report + plots.
+
+    python launch/eval_acceptance.py recipes/smollm2-135m-eagle3.yaml checkpoint=runs/smollm2-135m/eagle3 [eval.*=...]
+
+`checkpoint=X` is short for eval.checkpoint=X. Rerunning the same command skips the cells already measured.
+"""
+
+import logging
+import sys
+
+from data.recipe import cli
+from eval.job import run_eval
+
+
+def main(cfg):
+    out = run_eval(cfg)
+    print(f"results: {out / 'results.json'}\nreport: {out / 'report.md'}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli(main, [("eval." + a if a.startswith("checkpoint=") else a) for a in sys.argv[1:]])

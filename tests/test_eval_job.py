@@ -1,0 +1,181 @@
+"""The evaluation job on tiny random Llamas with SmolLM2's tokenizer: the α = 1 − D_TV audit, results.json's schema,
+resume after a crash, the report and its plots, answer extraction, prompt sets from files, and bad input."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import eval.job
+from conftest import tiny_llama_config
+from data.assets import load_prompt_set
+from data.io import SpecdrafterError
+from data.recipe import RecipeError, load_recipe
+from eval.job import answer_accuracy, final_number, run_eval
+from inference.generate import speculative_generate
+from inference.proposers import DraftModelProposer
+from inference.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A run directory as training leaves it: two checkpoints of a 1-layer draft model (+ the newest in drafter/)."""
+    run = tmp_path_factory.mktemp("run")
+    for step, seed in [(2, 1), (4, 2)]:
+        torch.manual_seed(seed)
+        folder = run / "checkpoints" / f"step-{step:06d}"
+        LlamaForCausalLM(tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=1)).save_pretrained(folder / "drafter")
+        smollm2_tokenizer.save_pretrained(folder / "drafter")
+        (folder / "trainer_state.json").write_text(json.dumps({"step": step, "drafter": "draft_model", "metrics": {}}))
+    return run
+
+
+def eval_recipe(tiny_target, run_dir, out, *extra):
+    return load_recipe(REPO / "recipes" / "smollm2-135m-draft.yaml", [
+        f"output_dir={out}", f"target.model={tiny_target}", f"eval.checkpoint={run_dir}", f"eval.output_dir={out}",
+        "eval.sets=[mtbench,gsm8k]", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.temperatures=[0,1]",
+        "eval.verifiers=[chain,asd]", "eval.k_sweep=[1,2]", "eval.asd_sweep=[[4,0.25,1]]", "inference.k=3", *extra])
+
+
+# --------------------------------------------------------------------------------------- α = 1 − D_TV audit
+def test_acceptance_matches_one_minus_total_variation_at_t1(tiny_target):
+    """Exact sampling accepts position i with probability 1 − D_TV(p_i, q_i): over ~650 tried positions the realised
+    α and the mean of 1 − D_TV must agree within 3 standard errors (Bernoulli variance Σ tv(1 − tv); fixed seeds)."""
+    target = LlamaForCausalLM.from_pretrained(tiny_target).eval()
+    torch.manual_seed(5)
+    draft = LlamaForCausalLM(tiny_llama_config(target.config.vocab_size, num_hidden_layers=1)).eval()
+    with torch.no_grad():  # make the two distributions differ by a middling amount
+        draft.lm_head.weight.copy_(target.lm_head.weight + 0.2 * torch.randn_like(target.lm_head.weight))
+    proposer, accepted, tried, expected, variance = DraftModelProposer(draft), 0, 0, 0.0, 0.0
+    for seed in range(12):
+        r = speculative_generate(target, proposer, [1, 504, 3287 + seed, 314], 60, SamplingParams(1.0), 3,
+                                 generator=torch.Generator().manual_seed(seed), record_tv=True)
+        for c in r.cycles:
+            assert len(c.tv) == min(c.accepted + 1, c.drafted) and c.tv_s > 0
+            accepted += c.accepted
+            tried += len(c.tv)
+            expected += sum(1 - t for t in c.tv)
+            variance += sum(t * (1 - t) for t in c.tv)
+    assert tried > 600 and 0.3 < accepted / tried < 0.8  # a middling acceptance, not a degenerate one
+    z = (accepted - expected) / math.sqrt(variance)
+    assert abs(z) < 3, (accepted, expected, z)
+
+
+# -------------------------------------------------------------------------------------- the job end to end
+def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, run_dir, monkeypatch):
+    out = tmp_path / "eval"
+    cfg = eval_recipe(tiny_target, run_dir, out)
+    real, calls = eval.job._run_cell, []
+
+    def crash_after_three(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # killed mid-run
+        calls.append(args[1]["id"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(eval.job, "_run_cell", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(cfg)
+    first = json.loads((out / "results.json").read_text())
+    assert [c["id"] for c in first["cells"]] == calls  # every finished cell is on disk
+
+    calls.clear()
+    monkeypatch.setattr(eval.job, "_run_cell", lambda *a, **k: (calls.append(a[1]["id"]), real(*a, **k))[1])
+    run_eval(cfg)
+    data = json.loads((out / "results.json").read_text())
+    ids = [c["id"] for c in data["cells"]]
+    # 2 checkpoints × 2 sets × 2 temperatures × chain, + k sweep {1, 2} + per set: ASD × 2 settings (strict exists)
+    assert len(ids) == len(set(ids)) == 8 + 2 + 4
+    assert not set(calls) & set(c["id"] for c in first["cells"])  # the rerun skipped the finished cells
+    assert data["cells"][:3] == first["cells"]  # ... and left them untouched
+    run_eval(cfg)  # nothing left: no cell runs
+    assert len(calls) == 14 - 3
+
+    assert data["schema"] == 1 and data["drafter"] == "draft_model"
+    assert set(data["machine"]["v"]) == {"1", "2", "3", "4"} and data["machine"]["v"]["1"] == 1.0
+    assert set(data["baselines"]) == {"mtbench|T=0.0", "mtbench|T=1.0", "gsm8k|T=0.0", "gsm8k|T=1.0"}
+    for c in data["cells"]:
+        assert {"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tokens", "target_passes",
+                "tokens_per_s", "speedup", "tau", "alpha", "per_position", "mean_tv", "alpha_tv_gap", "c",
+                "predicted_speedup", "best_k", "outputs"} <= set(c)
+        assert c["tau"] == pytest.approx(c["tokens"] / c["target_passes"], abs=1e-3)
+        assert 0 <= c["alpha"] <= 1 and len(c["per_position"]) == c["k"] and c["c"] > 0
+        rows = [json.loads(x) for x in (out / c["outputs"]).read_text().splitlines()]
+        assert len(rows) == 2 and sum(len(r["tokens"]) for r in rows) == c["tokens"]
+        if c["verifier"] == "chain":
+            assert c["alpha_tv_gap"] == pytest.approx(c["alpha"] - (1 - c["mean_tv"]), abs=2e-4)
+            if c["temperature"] == 0:  # greedy: p and q one-hot, so the identity is exact
+                assert c["alpha_tv_gap"] == pytest.approx(0, abs=1e-3)
+        if c["verifier"] == "asd":
+            assert c["temperature"] == 0 and c["asd_regret"] is not None and c["checkpoint"] == "step-000004"
+        assert (c["answer_accuracy"] is not None) == (c["set"] == "gsm8k")
+    assert {c["step"] for c in data["cells"]} == {2, 4}
+    assert sorted(c["k"] for c in data["cells"] if c["sweep"]) == [1, 2]
+
+    report = (out / "report.md").read_text()
+    assert "## ASD audit" in report and "## Speedup vs k" in report and "## By checkpoint" in report
+    for name in ["acceptance_by_position.png", "by_step.png", "speedup_vs_k.png"]:
+        png = (out / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
+        assert f"]({name})" in report
+
+
+def test_results_from_other_settings_are_refused(tmp_path, tiny_target, run_dir):
+    out = tmp_path / "eval"
+    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]",
+                         "eval.verifiers=[chain]", "eval.k_sweep=[]", f"eval.checkpoint={run_dir}/checkpoints/step-000002"))
+    with pytest.raises(SpecdrafterError, match="max_new_tokens"):
+        run_eval(eval_recipe(tiny_target, run_dir, out, "eval.max_new_tokens=9"))
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def test_final_number_and_answer_accuracy(tmp_path):
+    assert final_number("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == "18"
+    assert final_number("so the total is 1,250.") == "1250"
+    assert final_number("no digits here") is None
+    outputs = tmp_path / "o.jsonl"
+    outputs.write_text(json.dumps({"text": "The answer is 18"}) + "\n" + json.dumps({"text": "I think 7."}) + "\n")
+    gsm = [{"reference": ["... #### 18"]}, {"reference": ["... #### 8"]}]
+    assert answer_accuracy(outputs, gsm) == 0.5
+    assert answer_accuracy(outputs, [{"reference": None}, {"reference": None}]) is None
+
+
+def test_prompt_sets_from_a_datasets_folder_and_chat_rows(tmp_path):
+    folder = tmp_path / "traffic"
+    datasets.Dataset.from_list([
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, who are you?"},
+                      {"role": "assistant", "content": "A model."}]},
+        {"messages": [{"role": "user", "content": "Name a prime number."}]}]).save_to_disk(str(folder))
+    records = load_prompt_set(str(folder))
+    assert [r["turns"] for r in records] == [["Hi there, who are you?"], ["Name a prime number."]]
+    sharegpt = tmp_path / "sg.jsonl"
+    sharegpt.write_text(json.dumps({"conversations": [{"from": "human", "value": "Tell a joke."}, {"from": "gpt", "value": "No."}]}) + "\n")
+    assert load_prompt_set(str(sharegpt))[0]["turns"] == ["Tell a joke."]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
+    with pytest.raises(SpecdrafterError, match="does not exist"):
+        run_eval(eval_recipe(tiny_target, run_dir, tmp_path, f"eval.checkpoint={tmp_path / 'nope'}"))
+    with pytest.raises(RecipeError, match="eval.sets.*'mmlu'"):
+        eval_recipe(tiny_target, run_dir, tmp_path, "eval.sets=[mmlu]")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(SpecdrafterError, match="is empty"):
+        run_eval(eval_recipe(tiny_target, run_dir, tmp_path, f"eval.sets=[{empty}]"))
+    with pytest.raises(SpecdrafterError, match="holds a draft_model drafter.*eagle3"):
+        run_eval(eval_recipe(tiny_target, run_dir, tmp_path, "drafter.kind=eagle3"))
+    with pytest.raises(RecipeError, match="tree needs inference.tree"):
+        eval_recipe(tiny_target, run_dir, tmp_path, "eval.verifiers=[tree]")
+    done = subprocess.run([sys.executable, "launch/eval_acceptance.py", "recipes/smollm2-135m-draft.yaml",
+                           f"checkpoint={tmp_path / 'missing'}", f"target.model={tiny_target}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
+    assert "Traceback" not in done.stderr
