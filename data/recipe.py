@@ -183,6 +183,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     warm_start: Optional[str] = None  # a checkpoint folder whose drafter weights initialise a new run
+    # Every N checkpoints (and at the last), decode a couple of prompts of eval.sets[0] with the saved drafter
+    # through the real loop and log τ and α (decode/tau, decode/alpha); 0 = off.
+    decode_check_every: int = 0
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -355,6 +358,7 @@ def _check_training(cfg: DictConfig) -> None:
               "train.grad_clip": (t.grad_clip >= 0, ">= 0"), "train.zero_stage": (t.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
               "train.heldout": (t.heldout >= 0, ">= 0"), "train.eval_every": (t.eval_every >= 1, ">= 1"),
               "train.save_every": (t.save_every >= 1, ">= 1"), "train.keep_checkpoints": (t.keep_checkpoints >= 1, ">= 1"),
+              "train.decode_check_every": (t.decode_check_every >= 0, ">= 0"),
               "drafter.lora.r": (dr.lora.r >= 0, ">= 0"), "drafter.medusa.num_heads": (dr.medusa.num_heads >= 1, ">= 1"),
               "drafter.medusa.num_layers": (dr.medusa.num_layers >= 0, ">= 0"),
               "drafter.medusa.stage": (dr.medusa.stage in (1, 2), "1 (Medusa-1) or 2 (Medusa-2)"),

@@ -38,7 +38,6 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 from data.assets import load_prompt_set, load_target
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
@@ -47,7 +46,7 @@ from eval.acceptance import (alpha_per_token, best_block_length, per_position_ac
                              step_costs)
 from inference.generate import ASDSettings, speculative_generate, tree_speculative_generate
 from inference.medusa import typical_generate
-from inference.run import build_proposer
+from inference.run import build_proposer, serving_model
 from inference.sampling import SamplingParams
 
 log = logging.getLogger("specdrafter")
@@ -267,9 +266,7 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     checkpoint brings its fine-tuned backbone, which is what it serves."""
     c = cfg.copy()
     c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
-    serving = target
-    if c.drafter.kind.value == "medusa" and ckpt.drafter and (ckpt.drafter / "backbone").is_dir():
-        serving = AutoModelForCausalLM.from_pretrained(ckpt.drafter / "backbone", dtype=target.dtype).eval()
+    serving = serving_model(ckpt.drafter, target) if c.drafter.kind.value == "medusa" and ckpt.drafter else target
     chain = c.copy()
     chain.inference.tree, chain.inference.dynamic_tree.total_tokens = [], 0
     tree = build_proposer(c, serving) if {"tree", "typical"} & set(verifiers) else None

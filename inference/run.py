@@ -28,16 +28,23 @@ def load_serving_target(cfg: DictConfig):
     """(model, tokenizer) that decoding verifies with: the recipe's target — or, for Medusa-2 heads (a drafter
     folder with a `backbone/`), the fine-tuned backbone trained with them, which is what Medusa-2 serves."""
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
-    if cfg.drafter.kind.value != "medusa" or not cfg.drafter.path or not (Path(cfg.drafter.path) / "backbone").is_dir():
-        return target, tokenizer
-    folder = Path(cfg.drafter.path) / "backbone"
+    if cfg.drafter.kind.value == "medusa" and cfg.drafter.path:
+        return serving_model(Path(cfg.drafter.path), target), tokenizer
+    return target, tokenizer
+
+
+def serving_model(drafter_folder: Path, target):
+    """The target, or the Medusa-2 backbone saved in `drafter_folder/backbone` (on the target's device and dtype)."""
+    folder = Path(drafter_folder) / "backbone"
+    if not folder.is_dir():
+        return target
     try:
-        backbone = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).eval()
+        backbone = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load the Medusa-2 backbone {str(folder)!r}: {str(e).splitlines()[0]}") from None
     check_vocabularies(target, backbone)
     log.info(f"Medusa-2: serving the backbone fine-tuned with the heads ({folder}) in place of the target")
-    return backbone, tokenizer
+    return backbone
 
 
 def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:

@@ -481,7 +481,9 @@ def test_medusa2_backbone_is_distilled_towards_the_target_and_feeds_the_heads(tm
 def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, peaky_target, data_dir):
     train.loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, *MEDUSA2, "train.max_steps=6",
                             "train.eval_every=3", "train.save_every=3", "train.lr=1e-2",
-                            "drafter.medusa.backbone_lr_ratio=0.01"))
+                            "drafter.medusa.backbone_lr_ratio=0.01", "train.decode_check_every=2", "eval.max_new_tokens=8"))
+    checks = [r for r in metrics(tmp_path) if "decode/tau" in r]  # the light evaluation: every 2nd save and the last
+    assert [r["step"] for r in checks] == [6] and 1 <= checks[0]["decode/tau"] <= 4 and 0 <= checks[0]["decode/alpha"] <= 1
     evals = [r for r in metrics(tmp_path) if "alpha/backbone" in r]
     assert len(evals) == 2 and evals[1]["alpha/head1"] > evals[0]["alpha/head1"]  # held-out acceptance of the heads rises
     assert all(r["alpha/backbone"] > 0.9 for r in evals)  # while the backbone, distilled, stays ≈ the target

@@ -32,8 +32,11 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from data.assets import load_target  # noqa: E402
+from data.assets import load_prompt_set, load_target  # noqa: E402
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside  # noqa: E402
+from inference.generate import speculative_generate  # noqa: E402
+from inference.run import build_proposer, serving_model  # noqa: E402
+from inference.sampling import SamplingParams  # noqa: E402
 from train.batches import TrainingData  # noqa: E402
 from train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
 from train.objectives import distill_loss  # noqa: E402
@@ -236,6 +239,15 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         bar.update(1)
         if progress.step % t.save_every == 0 or progress.step == total:
             last_good = save_checkpoint(engine, drafter, cfg, root, progress, tokenizer, rank)
+            saves = progress.step // t.save_every
+            if rank == 0 and t.decode_check_every and (saves % t.decode_check_every == 0 or progress.step == total):
+                check = {"step": progress.step, **decode_check(cfg, last_good / "drafter", target, tokenizer)}
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(check) + "\n")
+                if logger:
+                    logger.log(check)
+                bar.write(f"step {progress.step}: through the decoding loop τ = {check['decode/tau']:.2f}, "
+                          f"α = {check['decode/alpha']:.3f}")
     bar.close()
     if rank == 0 and last_good is not None:  # a stable path to the newest drafter: <output_dir>/drafter
         tmp = temp_dir_beside(out / "drafter")
@@ -245,6 +257,29 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     if logger:
         logger.finish()
     return progress.last_metrics or {}
+
+
+@torch.no_grad()
+def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, float]:
+    """The light evaluation: a saved drafter through the real decoding loop (the first eval.num_prompts ≤ 2 prompts
+    of eval.sets[0], greedy, block length inference.k) — τ and α as users will see them, not the held-out proxy."""
+    c = cfg.copy()
+    c.drafter.path, c.inference.tree, c.inference.dynamic_tree.total_tokens = str(folder), [], 0
+    serving = serving_model(folder, target) if c.drafter.kind.value == "medusa" else target
+    proposer = build_proposer(c, serving)
+    for name in ("model", "head", "heads"):  # the drafter beside the target, wherever the target runs
+        if isinstance(getattr(proposer, name, None), torch.nn.Module):
+            getattr(proposer, name).to(device=target.device, dtype=target.dtype)
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    tokens = passes = accepted = drafted = 0
+    for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, 2)]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), c.inference.k, eos)
+        tokens, passes = tokens + len(r.tokens), passes + len(r.cycles)
+        accepted, drafted = accepted + sum(x.accepted for x in r.cycles), drafted + sum(x.drafted for x in r.cycles)
+    return {"decode/tau": tokens / max(passes, 1), "decode/alpha": accepted / max(drafted, 1)}
 
 
 def _all_finite(loss: torch.Tensor, device) -> bool:
