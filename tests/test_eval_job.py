@@ -127,10 +127,14 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
         assert f"]({name})" in report
 
 
-def test_results_from_other_settings_are_refused(tmp_path, tiny_target, run_dir):
+def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_path, tiny_target, run_dir):
     out = tmp_path / "eval"
-    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]",
+    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.wandb=true",
                          "eval.verifiers=[chain]", "eval.k_sweep=[]", f"eval.checkpoint={run_dir}/checkpoints/step-000002"))
+    data = json.loads((out / "results.json").read_text())
+    assert [c["id"] for c in data["cells"]] == ["step-000002|mtbench|T=0.0|chain|k=3"]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     with pytest.raises(SpecdrafterError, match="max_new_tokens"):
         run_eval(eval_recipe(tiny_target, run_dir, out, "eval.max_new_tokens=9"))
 
