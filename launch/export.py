@@ -1,0 +1,33 @@
+"""Export a trained drafter for vLLM / SGLang / speculators / Medusa / HF, with a model card; optionally push it.
+
+    python launch/export.py CHECKPOINT --format {sglang,vllm,speculators,medusa-vllm,medusa,hf-draft} --out DIR
+                            [--overwrite] [--push-to-hub REPO_ID [--private]]
+
+CHECKPOINT: a checkpoint folder (…/checkpoints/step-NNNNNN), a run's output_dir (its newest complete checkpoint) or
+a drafter folder. The Hub token comes from HF_TOKEN or `hf auth login`.
+"""
+
+import argparse
+import sys
+
+from data.io import SpecdrafterError
+from train.export import FORMATS, export, push_to_hub
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--format", required=True, choices=list(FORMATS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--push-to-hub", metavar="REPO_ID")
+    p.add_argument("--private", action="store_true")
+    a = p.parse_args()
+    if a.private and not a.push_to_hub:
+        p.error("--private needs --push-to-hub")
+    try:
+        folder = export(a.checkpoint, a.format, a.out, a.overwrite, a.push_to_hub)
+        print(f"exported {a.format}: {folder}")
+        if a.push_to_hub:
+            print(f"pushed: {push_to_hub(folder, a.push_to_hub, a.private)}")
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,496 @@
+"""Export a trained drafter to the folders serving engines load unchanged (FORMATS.md), with a model card, and push
+it to the Hugging Face Hub.
+
+    python launch/export.py <checkpoint | run output_dir | drafter folder> --format F --out DIR [--overwrite]
+                            [--push-to-hub REPO_ID [--private]]
+
+    drafter kind  --format     what DIR holds
+    eagle3        vllm         HF-style EAGLE-3 folder (LlamaForCausalLMEagle3; midlayer.*, fc, norm, lm_head, d2t, t2d);
+                               aux-layer ids in vLLM's reading, id k = the input to target layer k (= ours)
+                  sglang       the same layout, ids in SGLang's reading: SGLang captures the input to layer id + 1
+                               (sglang/srt/models/llama.py, set_eagle3_layers_to_capture), so ours are written as k − 1
+                  speculators  the speculators library's Eagle3Speculator (`vllm serve DIR`): weights layers.0.*
+    medusa        medusa-vllm  vLLM's MedusaModel (our native layout): blocks.{i}.layers.{j}.*, lm_heads.{i}.weight
+                  medusa       the Medusa repo's layout: medusa_lm_head.safetensors with {i}.{j}.linear.*, {i}.{L}.weight
+    draft_model   hf-draft     a plain HF causal LM with the target's tokenizer
+
+Every export also holds README.md (the model card: acceptance, serving commands, the aux-layer convention, the
+recipe), recipe.yaml and trainer_state.json (the training step). Medusa-2 heads come with the fine-tuned
+backbone in backbone/, which must be served as the target. Local paths and tokens never enter an export: the
+recipe is scrubbed, and the finished folder is scanned before it is published (temp folder + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
+
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside
+from data.recipe import InferenceConfig
+from inference.eagle import EAGLE1_ARCH, load_eagle3
+from inference.medusa import load_medusa
+from train.loop import complete_checkpoints
+
+FORMATS = {"vllm": "eagle3", "sglang": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa", "medusa": "medusa",
+           "hf-draft": "draft_model"}  # --format → the drafter kind it exports
+KIND_NAMES = {"eagle3": "an EAGLE-3 head", "eagle1": "an EAGLE-1 head", "medusa": "Medusa heads",
+              "draft_model": "a draft model"}
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # built-in targets (data/assets.py)
+TAGS = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft-model"}
+LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
+             "hf-draft": "transformers"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+# ------------------------------------------------------------------------------------------------ source
+@dataclass
+class Source:
+    """What to export: the drafter folder and whatever the training left beside it."""
+    drafter: Path
+    kind: str  # eagle3 | eagle1 | medusa | draft_model
+    recipe: Optional[DictConfig]  # the resolved recipe of the run (None: a bare drafter folder without one)
+    state: dict = field(default_factory=dict)  # trainer_state.json: {"step", "drafter", "metrics", ...}
+    eval_results: Optional[Path] = None  # <run>/eval/results.json, if an evaluation ran
+
+
+def find_source(path: str | os.PathLike) -> Source:
+    """A checkpoint folder (drafter/, recipe.yaml, trainer_state.json), a run's output_dir (its newest complete
+    checkpoint) or a bare drafter folder (config.json + weights)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise SpecdrafterError(f"checkpoint {str(path)!r} not found")
+    if (path / "checkpoints").is_dir() and complete_checkpoints(path / "checkpoints"):
+        path = complete_checkpoints(path / "checkpoints")[-1]  # a run: its newest complete checkpoint
+    elif (path / "config.json").is_file() and (path.parent / "trainer_state.json").is_file():
+        path = path.parent  # a checkpoint's drafter/ folder: the checkpoint knows its step and recipe
+    if (path / "trainer_state.json").is_file():
+        state = json.loads((path / "trainer_state.json").read_text())
+        drafter, run = path / "drafter", path.parent.parent
+    elif (path / "drafter" / "config.json").is_file():  # a run whose checkpoints were removed
+        state, drafter, run = {}, path / "drafter", path
+    elif (path / "config.json").is_file():
+        state, drafter, run = {}, path, path.parent
+        path = path.parent  # its recipe, if any, lies beside it
+    else:
+        raise SpecdrafterError(f"{str(path)!r} is not a drafter checkpoint: expected a checkpoint folder (drafter/, "
+                               "trainer_state.json), a run's output_dir (checkpoints/) or a drafter folder (config.json)")
+    if not (drafter / "config.json").is_file():
+        raise SpecdrafterError(f"{str(path)!r} has no drafter/config.json: the checkpoint is incomplete")
+    recipe = OmegaConf.load(path / "recipe.yaml") if (path / "recipe.yaml").is_file() else None
+    results = run / "eval" / "results.json"
+    return Source(drafter, state.get("drafter") or drafter_kind(drafter), recipe, state,
+                  results if results.is_file() else None)
+
+
+def drafter_kind(folder: Path) -> str:
+    """The kind of a drafter folder, from its config.json (for folders without a trainer_state.json)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as e:
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r} is not valid JSON ({e})") from None
+    architectures = config.get("architectures") or []
+    if any("Eagle3" in a for a in architectures):
+        return "eagle3"
+    if EAGLE1_ARCH in architectures:
+        return "eagle1"
+    if config.get("model_type") == "medusa" or "MedusaModel" in architectures:
+        return "medusa"
+    if any(a.endswith("ForCausalLM") for a in architectures):
+        return "draft_model"
+    raise SpecdrafterError(f"{str(folder)!r} holds no drafter specdrafter can export (architectures: {architectures})")
+
+
+@dataclass
+class Target:
+    hub_id: Optional[str]  # None: a local model without a known Hub id
+    name: str  # what to call it in the card: the Hub id, or the local folder's name (never its path)
+    architectures: List[str]
+
+
+def target_of(recipe: Optional[DictConfig]) -> Target:
+    """The target the drafter was trained for, as a Hub id where one is known (a local folder's path is never
+    written: it means nothing elsewhere and can name a user)."""
+    model = OmegaConf.select(recipe, "target.model") if recipe is not None else None
+    if model is None:
+        return Target(None, "unknown target", [])
+    if model in HUB_IDS:
+        return Target(HUB_IDS[model], HUB_IDS[model], ["LlamaForCausalLM"])
+    local = Path(model).expanduser()
+    if model.startswith(("/", ".", "~")) or local.exists():
+        config = local / "config.json"
+        architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
+        return Target(None, local.resolve().name, architectures)
+    return Target(model, model, [])
+
+
+def scrub(value):
+    """Absolute local paths → their final component, anywhere in a recipe or config tree. A path is one word that
+    starts with / ~ or a drive letter (a prompt such as "/help me" keeps its spaces and stays). Never applied to a
+    tokenizer's files, whose vocabulary holds tokens like "/*"."""
+    if isinstance(value, dict):
+        return {k: scrub(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub(v) for v in value]
+    if isinstance(value, str) and re.fullmatch(r"(/|~|[A-Za-z]:[\\/])\S*", value):
+        return Path(value.replace("\\", "/")).name or "<local path>"
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ export
+def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, overwrite: bool = False,
+           repo_id: Optional[str] = None) -> Path:
+    """Write the drafter of `checkpoint` in format `fmt` to `out` (built in a temp folder beside it, scanned for
+    local paths and tokens, then renamed into place). `repo_id` only names the model in the card's commands."""
+    out = Path(out).expanduser()
+    if fmt not in FORMATS:
+        raise SpecdrafterError(f"unknown format {fmt!r} (valid: {', '.join(FORMATS)})")
+    src = find_source(checkpoint)
+    check_kind(src, fmt)
+    if out.exists() and not overwrite:
+        raise SpecdrafterError(f"{str(out)!r} exists; pass --overwrite to replace it")
+    if src.drafter.resolve().is_relative_to(out.resolve()):
+        raise SpecdrafterError(f"--out {str(out)!r} would replace the checkpoint being exported")
+    target = target_of(src.recipe)
+    tmp = temp_dir_beside(out)
+    try:
+        WRITERS[fmt](src, tmp, target, fmt)
+        if (src.drafter / "backbone").is_dir():  # Medusa-2: the heads read this fine-tuned backbone, not the target
+            copy_hf_folder(src.drafter / "backbone", tmp / "backbone")
+        recipe = None
+        if src.recipe is not None:
+            recipe = scrub(OmegaConf.to_container(src.recipe, resolve=True))
+            if "target" in recipe:
+                recipe["target"]["model"] = target.hub_id or target.name
+            atomic_write_text(tmp / "recipe.yaml", OmegaConf.to_yaml(OmegaConf.create(recipe)))
+        if src.state:
+            atomic_write_json(tmp / "trainer_state.json", scrub(src.state))
+        atomic_write_text(tmp / "README.md", model_card(src, fmt, target, recipe, repo_id or f"./{out.name}", tmp))
+        check_no_leaks(tmp, [tmp, out.resolve().parent, src.drafter.resolve(), Path.cwd(), Path.home()])
+        return publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_kind(src: Source, fmt: str) -> None:
+    if src.kind == "eagle1":
+        raise SpecdrafterError(f"{str(src.drafter)!r} holds an EAGLE-1 head, which has no engine format here (vLLM and "
+                               "SGLang serve EAGLE-1 only in the EAGLE repo's own layout); train an EAGLE-3 head instead")
+    if FORMATS[fmt] != src.kind:
+        fits = [f for f, kind in FORMATS.items() if kind == src.kind]
+        raise SpecdrafterError(f"--format {fmt} exports {KIND_NAMES[FORMATS[fmt]]}, but {str(src.drafter)!r} holds "
+                               f"{KIND_NAMES.get(src.kind, src.kind)} (drafter kind {src.kind}); "
+                               + (f"use --format {' or '.join(fits)}" if fits else "that kind has no export"))
+
+
+# ---------------------------------------------------------------------------------------------- EAGLE-3
+def write_eagle3(src: Source, folder: Path, target: Target, fmt: str) -> None:
+    """config.json + model.safetensors of an EAGLE-3 head. Our head keeps the un-normalised hidden state as the
+    residual (EAGLE-3, SGLang), i.e. norm_before_residual = false, written out because speculators configs
+    default to true."""
+    raw = json.loads((src.drafter / "config.json").read_text())
+    if not (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+        raise SpecdrafterError(f"{str(src.drafter)!r} has no eagle_config.eagle_aux_hidden_state_layer_ids: the target "
+                               "layers it reads are unknown")
+    ids = load_eagle3(src.drafter).aux_layer_ids  # refuses a folder that is not a loadable EAGLE-3 head
+    layer = draft_layer_config(raw)
+    eagle = {"draft_vocab_size": raw["draft_vocab_size"], "target_hidden_size": raw.get("target_hidden_size")
+             or raw["hidden_size"], "norm_before_residual": False}
+    weights = src.drafter / "model.safetensors"
+    if fmt == "speculators":
+        k = OmegaConf.select(src.recipe, "inference.k", default=None) if src.recipe is not None else None
+        if target.hub_id is None and src.recipe is None:
+            raise SpecdrafterError("--format speculators names the verifier: export from a checkpoint folder or run "
+                                   "(whose recipe.yaml names the target), not a bare drafter folder")
+        config = {"architectures": ["Eagle3Speculator"], "model_type": "speculators", "speculators_model_type": "eagle3",
+                  "speculators_config": {
+                      "algorithm": "eagle3", "default_proposal_method": "greedy",
+                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k or InferenceConfig.k,
+                                            "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                      "verifier": {"name_or_path": target.hub_id or target.name,
+                                   "architectures": target.architectures}},
+                  "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
+                  **eagle, "eagle_aux_hidden_state_layer_ids": ids}
+        renamed = {re.sub(r"^midlayer\.", "layers.0.", name): t for name, t in load_file(str(weights)).items()}
+        save_weights(renamed, folder / "model.safetensors")
+    else:
+        if fmt == "sglang":
+            if 0 in ids:
+                raise SpecdrafterError(f"aux layer id 0 (the token embedding) cannot be written for SGLang, which reads "
+                                       f"id k as the output of layer k (ids {ids}); export --format vllm instead")
+            ids, convention = [k - 1 for k in ids], "output"
+        else:
+            convention = "input"
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], **eagle,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True,
+                                   "aux_layer_id_convention": convention}}
+        if fmt == "vllm":
+            config["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key, SGLang the nested one
+        shutil.copyfile(weights, folder / "model.safetensors")
+    atomic_write_json(folder / "config.json", config)
+
+
+def draft_layer_config(raw: dict) -> dict:
+    """The head's own decoder layer as a plain LlamaConfig dict: the EAGLE keys removed, `rope_theta` (and
+    `rope_scaling`) spelled out beside transformers 5's `rope_parameters`, since engines read either — a
+    missing rope_theta would silently fall back to 10000."""
+    drop = {"architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual",
+            "eagle_aux_hidden_state_layer_ids", "_name_or_path"}
+    layer = {k: v for k, v in raw.items() if k not in drop}
+    rope = raw.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        layer.setdefault("rope_theta", rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default":
+        layer.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    return {**layer, "model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}
+
+
+# ---------------------------------------------------------------------------------------------- Medusa
+def write_medusa(src: Source, folder: Path, target: Target, fmt: str) -> None:
+    heads = load_medusa(src.drafter)  # refuses a folder that is not a loadable set of Medusa heads
+    c = heads.config
+    base = target.hub_id or target.name
+    if fmt == "medusa-vllm":
+        raw = json.loads((src.drafter / "config.json").read_text())
+        config = {**scrub(raw), "architectures": ["MedusaModel"], "model_type": "medusa",
+                  "medusa_fc_bias": c.medusa_fc_bias, "base_model_name_or_path": base}
+        config.pop("_name_or_path", None)
+        shutil.copyfile(src.drafter / "model.safetensors", folder / "model.safetensors")
+        atomic_write_json(folder / "config.json", config)
+        return
+    L = c.num_hidden_layers
+    for i, block in enumerate(heads.blocks):
+        if any(not torch.equal(layer.weight, block.layers[0].weight) for layer in block.layers[1:]):
+            raise SpecdrafterError(f"head {i} has {L} distinct ResBlocks, but the Medusa repo's model repeats one "
+                                   "ResBlock per head ([ResBlock] * medusa_num_layers) and would load only one of "
+                                   "them; export --format medusa-vllm instead")
+    weights = {}
+    for i, (block, lm_head) in enumerate(zip(heads.blocks, heads.lm_heads)):
+        for j, layer in enumerate(block.layers):
+            weights[f"{i}.{j}.linear.weight"] = layer.weight
+            # the repo's ResBlock always has a bias (nn.Linear default): a bias-free head exports zeros
+            weights[f"{i}.{j}.linear.bias"] = layer.bias if layer.bias is not None else torch.zeros_like(layer.weight[:, 0])
+        weights[f"{i}.{L}.weight"] = lm_head.weight
+    save_weights({k: v.detach().contiguous() for k, v in weights.items()}, folder / "medusa_lm_head.safetensors")
+    atomic_write_json(folder / "config.json", {"medusa_num_heads": c.num_heads, "medusa_num_layers": L,
+                                               "base_model_name_or_path": base})
+
+
+# ------------------------------------------------------------------------------------------ draft model
+def write_hf_draft(src: Source, folder: Path, target: Target, fmt: str) -> None:
+    missing = [f for f in ("model.safetensors", "tokenizer_config.json") if not (src.drafter / f).is_file()]
+    if missing:
+        raise SpecdrafterError(f"{str(src.drafter)!r} lacks {missing[0]}: a draft model exports with its weights and "
+                               "the target's tokenizer")
+    copy_hf_folder(src.drafter, folder)
+
+
+def copy_hf_folder(source: Path, folder: Path) -> None:
+    """An HF causal-LM folder's weights, model configs (rewritten without local paths) and tokenizer files
+    (copied byte for byte; the leak check reads them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.name in ("config.json", "generation_config.json"):
+            atomic_write_json(folder / path.name, scrub(json.loads(path.read_text())))
+        elif path.suffix == ".safetensors" or path.name == "model.safetensors.index.json" or path.name in TOKENIZER_FILES:
+            shutil.copyfile(path, folder / path.name)
+
+
+def save_weights(tensors: Dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # safetensors leaves 0600; published files are ordinary files
+
+
+WRITERS = {"vllm": write_eagle3, "sglang": write_eagle3, "speculators": write_eagle3, "medusa-vllm": write_medusa,
+           "medusa": write_medusa, "hf-draft": write_hf_draft}
+
+
+# -------------------------------------------------------------------------------------------- model card
+def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], model: str, folder: Path) -> str:
+    """README.md: YAML front matter the Hub indexes, then acceptance, serving, the aux-layer convention and the recipe."""
+    kind, step = src.kind, src.state.get("step")
+    front = ([f"base_model: {target.hub_id}"] if target.hub_id else []) + [
+        f"library_name: {LIBRARIES[fmt]}", "tags:", "- speculative-decoding", f"- {TAGS[kind]}"]
+    what = {"eagle3": "EAGLE-3 draft head", "medusa": "Medusa heads", "draft_model": "Draft model"}[kind]
+    lines = ["---", *front, "---", "", f"# {what} for {target.name}", "",
+             f"Trained with specdrafter (drafter kind `{kind}`"
+             + (f", training step {step}" if step is not None else "") + f") and exported as `{fmt}`."
+             + ("" if target.hub_id else f" The target is a local model (`{target.name}`) without a known Hub id."), ""]
+    if (src.drafter / "backbone").is_dir():
+        lines += [("**Medusa-2:** the heads were trained jointly with a fine-tuned copy of the target, saved in "
+                   "`backbone/`. That backbone **must be served as the target model** (the engine's target, or the "
+                   "base model a Medusa loader opens): the heads read its hidden states, and decoding verifies against "
+                   "it. With the original target the heads' acceptance drops."), ""]
+    lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *serving(fmt, src, target, model), ""]
+    if kind == "eagle3":
+        lines += ["## Aux-layer convention", "", aux_convention(folder, fmt), ""]
+    lines += ["## Files", "", *files_section(folder), ""]
+    if recipe is not None:
+        lines += ["## Recipe", "", ("The resolved training recipe (local paths reduced to their final component), "
+                                    "also in `recipe.yaml`:"),
+                  "", "```yaml", OmegaConf.to_yaml(OmegaConf.create(recipe)).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def acceptance_table(src: Source) -> str:
+    """The last evaluation's cells for this checkpoint (eval/results.json), else the held-out metrics the training
+    logged with the checkpoint (simulated α and top-1 agreement per head / TTT step)."""
+    cells = []
+    if src.eval_results is not None:
+        try:
+            cells = json.loads(src.eval_results.read_text()).get("cells")
+        except (ValueError, AttributeError):
+            cells = None
+    cells = [c for c in cells or [] if isinstance(c, dict) and not c.get("sweep")]  # the k sweep stays in the report
+    step = src.state.get("step")
+    shown = [c for c in cells if step is not None and c.get("step") == step]
+    if not shown and cells:  # no cell of this step: the newest evaluated checkpoint's, said so
+        newest = max((c.get("step") or 0) for c in cells)
+        shown = [c for c in cells if (c.get("step") or 0) == newest]
+    columns = [("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k", "k"), ("α", "alpha"),
+               ("τ", "tau"), ("speedup", "speedup")]
+    columns = [(name, key) for name, key in columns if any(key in c for c in shown)]
+    if shown and columns:
+        which = "this checkpoint" if shown[0].get("step") == step else f"training step {shown[0].get('step')}"
+        return (f"Measured on {which} by specdrafter's acceptance evaluation (α: accepted drafts / drafted; τ: tokens "
+                "per target pass):\n\n" + markdown_table([name for name, _ in columns],
+                                                         [[c.get(key) for _, key in columns] for c in shown]))
+    metrics = src.state.get("metrics") or {}
+    names = [k.split("/", 1)[1] for k in metrics if k.startswith("alpha/") and k != "alpha/mean"]
+    if not names:
+        return "No evaluation was recorded for this checkpoint."
+    rows = [[n, metrics.get(f"alpha/{n}"), metrics.get(f"top1/{n}")] for n in names]
+    return ("Held-out metrics logged at this training step (simulated acceptance α̂ = Σ min(p, q) at the training "
+            "temperature, and top-1 agreement with the target), per prediction:\n\n"
+            + markdown_table(["prediction", "α̂", "top-1"], rows))
+
+
+def markdown_table(header: List[str], rows: List[list]) -> str:
+    def cell(v):
+        return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
+    """Command lines for the engines that load this format (`model`: the Hub repo id, or ./<folder>)."""
+    k = OmegaConf.select(src.recipe, "inference.k", default=None) if src.recipe is not None else None
+    k = k or InferenceConfig.k
+    lines, verifier = [], target.hub_id or "<target model>"
+    if (src.drafter / "backbone").is_dir():  # Medusa-2: the fine-tuned backbone is the model to serve
+        if not model.startswith("./"):
+            local = f"./{model.split('/')[-1]}"
+            lines, model = ["```bash", f"hf download {model} --local-dir {local}", "```", ""], local
+        verifier = f"{model}/backbone"
+    spec = json.dumps({"method": {"vllm": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa"}.get(fmt, "draft_model"),
+                       "model": model, "num_speculative_tokens": k})
+    vllm = ["vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```"]
+    sglang = ["SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm "
+              + {"sglang": "EAGLE3", "hf-draft": "STANDALONE"}.get(fmt, "") + f" --speculative-draft-model-path {model} "
+              f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```"]
+    if fmt == "vllm":
+        return lines + vllm + ["", "For SGLang use the `sglang` export: SGLang reads the aux-layer ids differently."]
+    if fmt == "sglang":
+        return lines + sglang + ["", ("For vLLM use the `vllm` or `speculators` export: vLLM reads the aux-layer "
+                                      "ids differently.")]
+    if fmt == "speculators":
+        return lines + ["vLLM (the config names the verifier and the number of speculative tokens):", "", "```bash",
+                        f"vllm serve {model}", "```", "", "or explicitly:", "", *vllm[2:]]
+    if fmt == "medusa-vllm":
+        return lines + vllm + ["", "SGLang does not serve Medusa heads."]
+    if fmt == "medusa":
+        return lines + ["TGI (it reads `medusa_lm_head.safetensors` and the base model named in `config.json`):", "",
+                        "```bash", f"text-generation-launcher --model-id {model}", "```", "",
+                        ("TensorRT-LLM's Medusa checkpoint converter reads the same two files. The Medusa repo's own "
+                         "inference loader (`MedusaModel.from_pretrained`) expects `medusa_lm_head.pt`: "
+                         "`torch.save(safetensors.torch.load_file('medusa_lm_head.safetensors'), 'medusa_lm_head.pt')`.")]
+    return lines + vllm + ["", *sglang, "", "transformers (assisted generation):", "", "```python",
+                           f"draft = AutoModelForCausalLM.from_pretrained({model!r})",
+                           "model.generate(**inputs, assistant_model=draft)", "```"]
+
+
+def aux_convention(folder: Path, fmt: str) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    if fmt == "sglang":
+        return (f"`eagle_aux_hidden_state_layer_ids` = {ids} in SGLang's reading: id k is the **output** of target "
+                f"layer k (SGLang captures the input to layer k + 1; config `aux_layer_id_convention: output`). In "
+                f"vLLM's reading the same features are {[k + 1 for k in ids]}, so this folder is for SGLang only.")
+    text = (f"`eagle_aux_hidden_state_layer_ids` = {ids} in vLLM's reading: id k is the **input** to target layer k "
+            f"(= the output of layer k − 1; 0 would be the embeddings). SGLang reads ids as layer outputs, so for "
+            f"SGLang these features are {[k - 1 for k in ids]} (use the `sglang` export).")
+    if 0 in ids:  # vLLM's Llama records hidden_states + residual, and there is no residual before layer 0
+        text += " Note: vLLM's Llama models cannot capture id 0 (the embeddings)."
+    return text
+
+
+def files_section(folder: Path) -> List[str]:
+    return [f"- `{p.relative_to(folder)}`" for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")] \
+        + ["- `README.md`"]
+
+
+# -------------------------------------------------------------------------------------------- leak check
+LEAKY = ("/root", "/home", "/tmp")  # local path prefixes no authored file may contain (a tokenizer's vocabulary might)
+TOKEN_PATTERN = re.compile(r"\bhf_[A-Za-z0-9]{20,}")
+
+
+def check_no_leaks(folder: Path, local_paths: List[Path]) -> None:
+    """Refuse to publish an export whose text (or safetensors header) holds a local path or a token: a model
+    card or config naming /home/<user>, or an HF token, would be pushed to the world."""
+    secrets = [v for k, v in os.environ.items() if v and (v.startswith("hf_") or k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"))]
+    paths = [str(p) for p in local_paths if len(p.parts) > 1]
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if path.suffix == ".safetensors":  # only the JSON header: raw weight bytes match anything by chance
+            with open(path, "rb") as f:
+                text = f.read(int.from_bytes(f.read(8), "little")).decode("utf-8", "replace")
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        authored = path.name not in TOKENIZER_FILES
+        if any(s in text for s in secrets) or (authored and TOKEN_PATTERN.search(text)):
+            raise SpecdrafterError(f"the export's {path.relative_to(folder)} contains a token; nothing was written")
+        found = next((p for p in paths + list(LEAKY if authored else ()) if p in text), None)
+        if found is not None:
+            raise SpecdrafterError(f"the export's {path.relative_to(folder)} contains the local path {found!r}; "
+                                   "nothing was written")
+
+
+# ------------------------------------------------------------------------------------------------- push
+def push_to_hub(folder: str | os.PathLike, repo_id: str, private: bool = False) -> str:
+    """Upload an export folder (create the repo if needed). The token comes from HF_TOKEN or a saved login and is
+    never printed; the local folder is only read, so a failed push leaves the export as it was."""
+    folder = Path(folder)
+    keep = f"the export in {str(folder)!r} is complete; push it later"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise SpecdrafterError(f"cannot push to {repo_id}: HF_HUB_OFFLINE is set ({keep})")
+    token = get_token()
+    if not token:
+        raise SpecdrafterError(f"cannot push to {repo_id}: no Hugging Face token (set HF_TOKEN or run `hf auth login`; {keep})")
+    api = HfApi(token=token)
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+                          commit_message="Upload speculative-decoding drafter exported by specdrafter")
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        reason = {401: "the token was rejected", 403: f"this token may not write to {repo_id}",
+                  409: f"{repo_id} conflicts with an existing repository"}.get(status, f"the Hub answered {status}")
+        raise SpecdrafterError(f"could not push to {repo_id}: {reason} ({_first_line(e, token)}; {keep})") from None
+    except Exception as e:  # network failures arrive as the HTTP client's own errors (httpx, httpx2 or requests)
+        raise SpecdrafterError(f"could not reach the Hub to push {repo_id}: {_first_line(e, token)} ({keep})") from None
+    return str(url)
+
+
+def _first_line(e: Exception, token: str) -> str:
+    return ((str(e).strip().splitlines() or [type(e).__name__])[0]).replace(token, "***")
