@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -216,7 +216,10 @@ class InferenceConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    k: int = 4  # draft tokens per cycle (chain)
+    # Draft tokens per cycle (chain): a number, or auto — chosen every cycle from the measured per-position
+    # acceptance, draft cost and verification cost curve (inference/autotune.py), up to k_max.
+    k: Union[int, str] = "auto"
+    k_max: int = 8
     tree: List[List[int]] = field(default_factory=list)  # static tree choice paths, e.g. [[0],[1],[0,0]]; empty = chain
     dynamic_tree: DynamicTreeConfig = field(default_factory=DynamicTreeConfig)
     verifier: VerifierKind = VerifierKind.exact
@@ -319,7 +322,8 @@ def _check_values(cfg: DictConfig) -> None:
     if d.prompts not in PROMPT_SETS and not Path(d.prompts).expanduser().is_file():
         raise RecipeError(f"recipe key 'data.prompts': {d.prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an existing file")
     inf = cfg.inference
-    checks = {"inference.k": (inf.k >= 1, ">= 1"), "inference.max_new_tokens": (inf.max_new_tokens >= 1, ">= 1"),
+    checks = {"inference.k": (inf.k == "auto" or (isinstance(inf.k, int) and inf.k >= 1), "auto or >= 1"),
+              "inference.k_max": (inf.k_max >= 1, ">= 1"), "inference.max_new_tokens": (inf.max_new_tokens >= 1, ">= 1"),
               "inference.temperature": (inf.temperature >= 0, ">= 0"), "inference.top_k": (inf.top_k >= 0, ">= 0"),
               "inference.top_p": (0 < inf.top_p <= 1, "in (0, 1]"),
               "drafter.num_layers": (cfg.drafter.num_layers >= 1, ">= 1")}

@@ -1,15 +1,10 @@
-"""Acceptance statistics of decoding runs (per-token α, the per-position curve), the seed's speedup formula and
-the cost measurements it needs (v(n): a target pass over n tokens ÷ one token). The evaluation job
-(eval/job.py) and the decode benchmark (eval/bench_decode.py) both use them."""
+"""Acceptance statistics of decoding runs (per-token α, the per-position curve) and the seed's speedup formula,
+shared by the evaluation job (eval/job.py) and the decode benchmark (eval/bench_decode.py). The cost measurements
+the formula needs (v(n)) live in inference/autotune.py."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Dict, List, Optional
-
-import torch
-from transformers import DynamicCache
 
 from inference.generate import CycleStats
 
@@ -35,22 +30,12 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     return tokens / (v + k * c)
 
 
+def modal_block_length(cycles: List[CycleStats]) -> int:
+    """The block length used most often (a fixed k, or where an auto-tuned run settled)."""
+    drafted = [c.drafted for c in cycles]
+    return max(set(drafted), key=drafted.count) if drafted else 0
+
+
 def best_block_length(alpha: float, c: float, v: Dict[int, float]) -> int:
     """The k that the formula says is fastest, over the k whose verification cost v(k+1) was measured."""
     return max((n - 1 for n in v if n >= 2), key=lambda k: predicted_speedup(alpha, k, c, v[k + 1]), default=1)
-
-
-@torch.no_grad()
-def step_costs(model, context: list, sizes: list, repeats: int = 9) -> Dict[int, float]:
-    """Median seconds of one cached forward over n new tokens after `context`, for each n in `sizes`.
-    Sizes are interleaved within every repeat, so a noisy machine slows them alike."""
-    cache = DynamicCache()
-    model(input_ids=torch.tensor([context]), cache=cache, use_cache=True, logits_to_keep=1)
-    times = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            start = time.perf_counter()
-            model(input_ids=torch.tensor([(context * n)[:n]]), cache=cache, use_cache=True)
-            times[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: statistics.median(t) for n, t in times.items()}

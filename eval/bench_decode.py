@@ -1,133 +1,252 @@
-"""Decode benchmark: target-only HF `generate`, HF assisted generation (`assistant_model=`, when the drafter
-is a draft model), our chain loop and — when the recipe sets inference.tree or inference.dynamic_tree — our
-tree loop with the same drafter, interleaved prompt by prompt on MT-Bench first turns, at each temperature.
-Prints tokens/s, speedup over target-only, τ, α, the seed formula's predicted speedup from the measured α,
-c (draft time per drafted token / target step, measured inside the loop) and v(n) (target pass over n tokens
-/ one token), and the verifier's time per output token as a fraction of a target step.
+"""Decode benchmark, side by side in one run: target-only HF `generate`, HF assisted generation with our draft
+model, and our loops with every drafter given — draft model (chain), EAGLE-3 (chain, EAGLE-2 dynamic tree, ASD at
+T = 0), Medusa (static tree: exact and typical acceptance) — interleaved prompt by prompt on a fixed sample of
+MT-Bench, GSM8K and HumanEval first turns, repeated, at each temperature.
 
-    python -m eval.bench_decode recipes/smollm2-135m-generate.yaml [--prompts 4] [--max-new-tokens 48]
+    python -m eval.bench_decode recipes/smollm2-135m-generate.yaml --draft-model runs/smollm2-135m/draft-tv/drafter \\
+        --eagle3 runs/smollm2-135m/eagle3/drafter --medusa runs/smollm2-135m/medusa/drafter \\
+        [--sets mtbench gsm8k humaneval] [--prompts 2] [--max-new-tokens 48] [--repeats 3] [--temperatures 0 1] [--out DIR]
+
+Without drafter flags the recipe's own drafter is benchmarked (chain, plus its tree when the recipe sets one).
+Per arm: tokens/s (median over repeats), speedup over target-only, τ, α, c (draft time per drafted token ÷ target
+step, measured inside the loop), the formula's predicted speedup from the measured α, c and v(n) (target pass over
+n tokens ÷ one, measured here), measured/predicted, and the verifier's time per token ÷ target step. Writes
+bench_decode.json, bench_decode.md and bench_decode.png to --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List
 
 import torch
 
 from data.assets import load_prompt_set
-from data.io import SpecdrafterError
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from data.recipe import load_recipe
-from inference.generate import speculative_generate, tree_speculative_generate
-from inference.run import build_drafter, build_proposer, load_serving_target
+from eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup
+from inference.autotune import step_costs
+from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
+from inference.medusa import typical_generate
+from inference.run import block_length, build_drafter, build_proposer, load_serving_target
 from inference.sampling import SamplingParams
-from eval.acceptance import predicted_speedup, step_costs
+
+DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
+DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}
 
 
-def alpha_from_cycles(cycles, k: int) -> float:
-    """Per-token acceptance: accepted / positions tried (a cycle tries min(accepted + 1, k) positions)."""
-    tried = sum(min(c.accepted + 1, k) for c in cycles)
-    return sum(c.accepted for c in cycles) / max(tried, 1)
+@dataclass
+class Arm:
+    name: str
+    decode: Callable  # (prompt ids, temperature, generator) → list of new tokens, or a GenerationResult
+    shape: str = ""  # "k=4", "tree 17"
+    k: object = 0  # chain block length: a number or "auto" (0: not a chain)
+    tree_size: int = 0  # tokens per target pass of a tree arm
+    greedy_only: bool = False
+    runs: Dict[float, List[tuple]] = field(default_factory=dict)  # temperature → [(tokens, seconds)] per repeat
+    cycles: Dict[float, list] = field(default_factory=dict)
+
+
+def build_arms(cfg, args, target, eos) -> List[Arm]:
+    inf, k = cfg.inference, cfg.inference.k
+    params = lambda t: SamplingParams(t, inf.top_k, inf.top_p)  # noqa: E731
+
+    def hf(draft=None):
+        def run(prompt, t, generator):
+            torch.manual_seed(int(generator.initial_seed()))
+            sample = dict(do_sample=t > 0, **({"temperature": t, "top_k": 0} if t else {}))
+            if draft is None:
+                extra = {}
+            elif k == "auto":  # HF's own adaptive schedule against ours
+                extra = dict(assistant_model=draft)
+            else:
+                extra = dict(assistant_model=draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                             assistant_confidence_threshold=0.0)
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                                  pad_token_id=eos[0], **sample, **extra)
+            return out[0, len(prompt):].tolist()
+        return run
+
+    def chain(proposer, asd=None):
+        block = block_length(inf)  # a tuner (k = auto) per arm, learning across its prompts
+        return lambda prompt, t, g: speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t), block,
+                                                         eos, asd, g)
+
+    def tree(proposer):
+        return lambda prompt, t, g: tree_speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t),
+                                                              eos, g)
+
+    def variant(kind, path, **inference):
+        c = cfg.copy()
+        c.drafter.kind, c.drafter.path = kind, str(path) if path else None
+        c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
+        for key, value in inference.items():
+            c.inference[key] = value
+        return c
+
+    arms = [Arm("target", hf())]
+    given = {"draft_model": args.draft_model, "eagle3": args.eagle3, "medusa": args.medusa}
+    if not any(given.values()):  # the recipe's own drafter
+        given[cfg.drafter.kind.value] = cfg.drafter.path or "recipe"
+    if given.get("draft_model") or given.get("self_draft"):
+        kind = "draft_model" if given.get("draft_model") else "self_draft"
+        c = variant(kind, given.get("draft_model"))
+        draft = build_drafter(c, target)
+        arms += [Arm("hf_assisted", hf(draft), f"k={k}"), Arm(f"{kind}_chain", chain(build_proposer(c, target)), f"k={k}", k)]
+        if inf.tree:  # the recipe's static tree for the draft model too
+            arms.append(Arm(f"{kind}_tree", tree(build_proposer(variant(kind, given.get("draft_model"), tree=inf.tree), target)),
+                            f"tree {len(inf.tree) + 1}", tree_size=len(inf.tree) + 1))
+    if given.get("eagle3"):
+        c = variant("eagle3", given["eagle3"])
+        eagle = build_proposer(c, target)
+        dyn = {**DEFAULT_DYNAMIC_TREE, **({k_: inf.dynamic_tree[k_] for k_ in DEFAULT_DYNAMIC_TREE}
+                                           if inf.dynamic_tree.total_tokens else {})}
+        ct = variant("eagle3", given["eagle3"], dynamic_tree=dyn)
+        arms += [Arm("eagle3_chain", chain(eagle), f"k={k}", k),
+                 Arm("eagle3_tree", tree(build_proposer(ct, target)), f"dynamic {dyn['total_tokens']}/{dyn['depth']}/{dyn['top_k']}",
+                     tree_size=dyn["total_tokens"] + 1),
+                 Arm("eagle3_asd", chain(eagle, ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches)),
+                     f"k={k} B={inf.asd.budget:g}", k, greedy_only=True)]
+    if given.get("medusa"):
+        choices = [list(x) for x in inf.tree] or DEFAULT_MEDUSA_TREE
+        medusa = build_proposer(variant("medusa", given["medusa"], tree=choices), target)
+        size = len(choices) + 1
+        typical = lambda prompt, t, g: typical_generate(target, medusa, prompt, args.max_new_tokens, t,  # noqa: E731
+                                                        inf.typical.eps, inf.typical.delta, eos, g)
+        arms += [Arm("medusa_tree", tree(medusa), f"tree {size}", tree_size=size),
+                 Arm("medusa_typical", typical, f"tree {size}", tree_size=size)]
+    return arms
+
+
+def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float], repeats: int, seed: int) -> None:
+    """Every arm on every prompt, interleaved (arm order rotates per prompt, so no arm always runs first)."""
+    for t in temperatures:
+        active = [a for a in arms if not (a.greedy_only and t > 0)]
+        for r in range(repeats):
+            totals = {a.name: [0, 0.0] for a in active}
+            for i, prompt in enumerate(prompts):
+                for a in active[i % len(active):] + active[:i % len(active)]:
+                    generator = torch.Generator().manual_seed(seed + i)
+                    start = time.perf_counter()
+                    out = a.decode(prompt, t, generator)
+                    seconds = time.perf_counter() - start
+                    tokens = out.tokens if isinstance(out, GenerationResult) else out
+                    totals[a.name][0] += len(tokens)
+                    totals[a.name][1] += seconds
+                    if isinstance(out, GenerationResult) and r == 0:
+                        a.cycles.setdefault(t, []).extend(out.cycles)
+            for a in active:
+                a.runs.setdefault(t, []).append(tuple(totals[a.name]))
+            print(f"T={t:g} repeat {r + 1}/{repeats}: " + ", ".join(
+                f"{a.name} {totals[a.name][0] / totals[a.name][1]:.1f}" for a in active) + " tok/s", file=sys.stderr)
+
+
+def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, float]) -> List[dict]:
+    rows = []
+    for t in temperatures:
+        base = statistics.median(n / s for n, s in arms[0].runs[t])
+        for a in arms:
+            if t not in a.runs:
+                continue
+            speed = statistics.median(n / s for n, s in a.runs[t])
+            row = {"temperature": t, "arm": a.name, "shape": a.shape, "tokens_per_s": round(speed, 2),
+                   "speedup": round(speed / base, 3), "repeats": [round(n / s, 2) for n, s in a.runs[t]]}
+            cs = a.cycles.get(t)
+            if cs:
+                tokens = a.runs[t][0][0]
+                drafted = sum(c.drafted for c in cs) if a.k else len(cs)
+                c = sum(x.draft_s for x in cs) / max(drafted, 1) / one
+                alpha = alpha_per_token(cs)
+                k = modal_block_length(cs)  # the fixed k, or where the tuner settled
+                predicted = (predicted_speedup(alpha, k, c, v[k + 1]) if a.k
+                             else (tokens / len(cs)) / (v[a.tree_size] + c))
+                row["k_used"] = k if a.k else None
+                row.update(tau=round(tokens / len(cs), 3), alpha=round(alpha, 3), c=round(c, 3),
+                           predicted_speedup=round(predicted, 3), measured_over_predicted=round(speed / base / predicted, 3),
+                           verifier_per_token_vs_target_step=round(sum(x.verifier_s for x in cs) / tokens / one, 4))
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: List[dict], header: str) -> str:
+    lines = [header, "", "| T | arm | shape | tok/s | speedup | τ | α | c | predicted | measured/predicted | verifier/token ÷ target step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = r["shape"] + (f" ({r['k_used']})" if "auto" in r["shape"] and r.get("k_used") else "")
+        lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
+                     f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
+                     f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[dict], temperatures: List[float], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["arm"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 1.1), 3.8))
+    width = 0.8 / len(temperatures)
+    for j, t in enumerate(temperatures):
+        by = {r["arm"]: r for r in rows if r["temperature"] == t}
+        xs = [i + j * width for i, n in enumerate(names) if n in by]
+        ax.bar(xs, [by[n]["speedup"] for n in names if n in by], width, label=f"measured, T={t:g}")
+        ax.plot([x for x, n in zip(xs, [n for n in names if n in by]) if "predicted_speedup" in by[n]],
+                [by[n]["predicted_speedup"] for n in names if n in by and "predicted_speedup" in by[n]], "k_", ms=14)
+    ax.axhline(1, color="grey", lw=0.8, ls="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=25, ha="right")
+    ax.set(ylabel="speedup over target-only", title="Decode speed (bars: measured; dashes: predicted)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--draft-model")
+    parser.add_argument("--eagle3")
+    parser.add_argument("--medusa")
+    parser.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
+    parser.add_argument("--prompts", type=int, default=2, help="per set")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
         target, tokenizer = load_serving_target(cfg)
-        is_model = cfg.drafter.kind.value in ("self_draft", "draft_model")
-        draft = build_drafter(cfg, target) if is_model else None
-        chain = build_proposer(_without_trees(cfg), target)
-        tree = build_proposer(cfg, target) if (cfg.inference.tree or cfg.inference.dynamic_tree.total_tokens) else None
+        eos = target.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos)
+        arms = build_arms(cfg, args, target, eos)
+        records = [r for name in args.sets for r in load_prompt_set(name)[: args.prompts]]
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
-    k = cfg.inference.k
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
-               for r in load_prompt_set("mtbench")[: args.prompts]]
-    eos = target.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
-    tree_size = tree.max_tree_size if tree else 0
-    target_costs = step_costs(target, prompts[0], sorted({*range(1, k + 2), *([tree_size] if tree else [])}))
-    one = target_costs[1]
-    v = {n: t / one for n, t in target_costs.items()}
+                                             tokenize=True, return_dict=True)["input_ids"] for r in records]
+    longest = cfg.inference.k_max if cfg.inference.k == "auto" else cfg.inference.k
+    sizes = sorted({*range(1, longest + 2), *(a.tree_size for a in arms if a.tree_size)})
+    costs = step_costs(target, prompts[0], sizes)
+    one, v = costs[1], {n: x / costs[1] for n, x in costs.items()}
     print(f"target step {one * 1e3:.1f} ms; v(n) = " + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()), file=sys.stderr)
-
-    table = []
-    for temperature in args.temperatures:
-        params = SamplingParams(temperature)
-        sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
-        arms = {"target": [0, 0.0], **({"hf_assisted": [0, 0.0]} if draft is not None else {}), "ours_chain": [0, 0.0],
-                **({"ours_tree": [0, 0.0]} if tree else {})}
-        cycles = {"ours_chain": [], "ours_tree": []}
-        for i, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt])
-            with torch.no_grad():
-                torch.manual_seed(i)
-                start = time.perf_counter()
-                out = target.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **sample)
-                arms["target"][0] += out.shape[1] - len(prompt)
-                arms["target"][1] += time.perf_counter() - start
-                if draft is not None:
-                    torch.manual_seed(i)
-                    start = time.perf_counter()
-                    out = target.generate(ids, assistant_model=draft, num_assistant_tokens=k,
-                                          num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
-                                          max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **sample)
-                    arms["hf_assisted"][0] += out.shape[1] - len(prompt)
-                    arms["hf_assisted"][1] += time.perf_counter() - start
-            start = time.perf_counter()
-            result = speculative_generate(target, chain, prompt, args.max_new_tokens, params, k, eos,
-                                          generator=torch.Generator().manual_seed(i))
-            arms["ours_chain"][0] += len(result.tokens)
-            arms["ours_chain"][1] += time.perf_counter() - start
-            cycles["ours_chain"] += result.cycles
-            if tree:
-                start = time.perf_counter()
-                result = tree_speculative_generate(target, tree, prompt, args.max_new_tokens, params, eos,
-                                                   generator=torch.Generator().manual_seed(i))
-                arms["ours_tree"][0] += len(result.tokens)
-                arms["ours_tree"][1] += time.perf_counter() - start
-                cycles["ours_tree"] += result.cycles
-        base = arms["target"][0] / arms["target"][1]
-        for name, (tokens, seconds) in arms.items():
-            row = {"temperature": temperature, "arm": name, "tokens": tokens, "tokens_per_s": round(tokens / seconds, 2),
-                   "speedup": round(tokens / seconds / base, 3)}
-            if name.startswith("ours"):
-                cs = cycles[name]
-                c = sum(x.draft_s for x in cs) / max(sum(x.drafted for x in cs), 1) / one
-                row.update(tau=round(tokens / len(cs), 3), alpha=round(alpha_from_cycles(cs, k), 3), c=round(c, 3),
-                           verifier_per_token_vs_target_step=round(sum(x.verifier_s for x in cs) / tokens / one, 4),
-                           draft_share_of_time=round(sum(x.draft_s for x in cs) / seconds, 3))
-                if name == "ours_chain":
-                    predicted = predicted_speedup(row["alpha"], k, c, v[k + 1])
-                else:  # a tree: τ measured, cost = the tree pass v(N+1) + the drafting
-                    predicted = row["tau"] / (v[tree_size] + sum(x.draft_s for x in cs) / len(cs) / one)
-                row.update(predicted_speedup=round(predicted, 3), measured_over_predicted=round(row["speedup"] / predicted, 3))
-            table.append(row)
-    print(json.dumps({"k": k, "drafter": cfg.drafter.kind.value, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                      "target_1_token_s": one, "v": v, "rows": table}, indent=2))
-    print("| T | arm | tok/s | speedup | τ | α | c | predicted | measured/predicted | verifier/token ÷ target step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in table:
-        print(f"| {r['temperature']} | {r['arm']} | {r['tokens_per_s']} | {r['speedup']} | {r.get('tau', '')} | "
-              f"{r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
-              f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
-
-
-def _without_trees(cfg):
-    chain = cfg.copy()
-    chain.inference.tree = []
-    chain.inference.dynamic_tree.total_tokens = 0
-    return chain
+    measure(arms, prompts, args.temperatures, args.repeats, cfg.inference.seed)
+    rows = table(arms, args.temperatures, one, v)
+    out = Path(args.out)
+    header = (f"Decode benchmark: {len(prompts)} prompts ({', '.join(args.sets)}), {args.max_new_tokens} new tokens, "
+              f"median of {args.repeats} repeats; target step {one * 1e3:.1f} ms; v(n) = "
+              + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()))
+    atomic_write_json(out / "bench_decode.json", {"prompts": [r["id"] for r in records], "max_new_tokens": args.max_new_tokens,
+                                                  "repeats": args.repeats, "target_step_s": one, "v": v, "rows": rows})
+    atomic_write_text(out / "bench_decode.md", markdown(rows, header))
+    plot(rows, args.temperatures, out / "bench_decode.png")
+    print(markdown(rows, header))
 
 
 if __name__ == "__main__":

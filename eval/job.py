@@ -20,6 +20,7 @@ results.json (schema 1):
                                              exact chain sampling (chain cells only; null elsewhere)
                 "c",              draft time per drafted token (per tree, for trees) ÷ target step
                 "predicted_speedup", "measured_over_predicted", "best_k" (chain: the k the formula prefers),
+                "k_used",         the block length used most (k, or where `auto` settled)
                 "asd_regret",     mean realised regret per prompt (ASD cells)
                 "sweep",          true for the speedup-vs-k cells
                 "outputs"}]}      a JSONL beside results.json: {id, tokens, text} per prompt
@@ -42,8 +43,9 @@ from tqdm import tqdm
 from data.assets import load_prompt_set, load_target
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from eval.report import write_report
-from eval.acceptance import (alpha_per_token, best_block_length, per_position_acceptance, predicted_speedup,
-                             step_costs)
+from eval.acceptance import (alpha_per_token, best_block_length, modal_block_length, per_position_acceptance,
+                             predicted_speedup)
+from inference.autotune import BlockLengthTuner, step_costs
 from inference.generate import ASDSettings, speculative_generate, tree_speculative_generate
 from inference.medusa import typical_generate
 from inference.run import build_proposer, serving_model
@@ -188,7 +190,8 @@ def run_eval(cfg: DictConfig) -> Path:
     tree_size = 0
     if todo:
         tree_size = _tree_size(cfg) if any(p["verifier"] in ("tree", "typical") for p in todo) else 0
-        sizes = sorted({*range(1, max([k, *e.k_sweep]) + 2), *([tree_size] if tree_size else [])})
+        longest = max([cfg.inference.k_max if k == "auto" else k, *e.k_sweep])
+        sizes = sorted({*range(1, longest + 2), *([tree_size] if tree_size else [])})
         costs = step_costs(target, prompts[next(iter(prompts))][0], sizes)
         results.data["machine"] = {"target_step_s": costs[1], "v": {str(n): t / costs[1] for n, t in costs.items()}}
         results.save()
@@ -245,7 +248,7 @@ def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verif
                     if verifier != "asd":
                         add(ckpt, name, temperature, verifier)
     newest = checkpoints[-1]
-    for kk in e.k_sweep:
+    for kk in [*e.k_sweep, "auto"] if e.k_sweep else []:  # the auto-tuned block length beside the fixed ones
         add(newest, sets[0], 0.0, "chain", k=kk, sweep=True)
     if "asd" in verifiers:
         a = inf.asd
@@ -294,7 +297,8 @@ def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base
 def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Dict[int, float], out: Path,
               tokenizer) -> dict:
     """Decode every prompt of the cell through the loop and measure it."""
-    temperature, verifier, k = p["temperature"], p["verifier"], p["k"]
+    temperature, verifier = p["temperature"], p["verifier"]
+    block = BlockLengthTuner(cfg.inference.k_max) if p["k"] == "auto" else p["k"]  # one tuner for the whole cell
     params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
     asd = ASDSettings(*p["asd"]) if p["asd"] else None
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
@@ -307,7 +311,7 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
         elif verifier == "tree":
             r = tree_speculative_generate(target, tree, prompt, cfg.eval.max_new_tokens, params, eos, generator)
         else:
-            r = speculative_generate(target, chain, prompt, cfg.eval.max_new_tokens, params, k, eos, asd, generator,
+            r = speculative_generate(target, chain, prompt, cfg.eval.max_new_tokens, params, block, eos, asd, generator,
                                      record_tv=verifier == "chain")
         seconds += time.perf_counter() - start - sum(c.tv_s for c in r.cycles)  # the D_TV audit is not decoding time
         cycles += r.cycles
@@ -327,6 +331,8 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
     if tvs:
         cell["mean_tv"] = round(sum(tvs) / len(tvs), 4)
         cell["alpha_tv_gap"] = round(alpha - (1 - sum(tvs) / len(tvs)), 4)
+    k = modal_block_length(cycles)  # = p["k"] unless auto-tuned: where the tuner settled
+    cell["k_used"] = k if verifier in ("chain", "asd") else None
     if verifier in ("chain", "asd") and k + 1 in v:
         cell["predicted_speedup"] = round(predicted_speedup(alpha, k, c, v[k + 1]), 3)
         cell["best_k"] = best_block_length(alpha, c, v)

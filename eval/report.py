@@ -41,10 +41,10 @@ def write_report(data: dict, out: Path) -> Path:
         lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
             ("checkpoint", "checkpoint"), ("step", "step"), ("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
             ("α", "alpha"), ("τ", "tau"), ("speedup", "speedup")]), ""]
-    sweep = sorted([c for c in cells if c["sweep"]], key=lambda c: c["k"])
+    sweep = sorted([c for c in cells if c["sweep"]], key=lambda c: (c["k"] == "auto", c["k"] if c["k"] != "auto" else 0))
     if sweep:
         lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", _table(sweep, [
-            ("k", "k"), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), ("measured speedup", "speedup"),
+            ("k", _shape), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), ("measured speedup", "speedup"),
             ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
     audit = asd_audit(data, out)
     if audit:
@@ -87,7 +87,9 @@ def _newest(cells: List[dict]) -> str:
 
 
 def _shape(c: dict) -> str:
-    return f"tree {c['tree_size']}" if c.get("tree_size") else str(c["k"])
+    if c.get("tree_size"):
+        return f"tree {c['tree_size']}"
+    return f"auto ({c.get('k_used')})" if c["k"] == "auto" else str(c["k"])
 
 
 def _table(rows: List[dict], columns) -> str:
@@ -137,13 +139,17 @@ def _plot_sweep(sweep: List[dict], data: dict, out: Path):
     v = {int(n): x for n, x in data.get("machine", {}).get("v", {}).items()}
     if not sweep or not v:
         return None
-    ref = max(sweep, key=lambda c: c["tokens"])  # the formula's inputs from the sweep's cells: mean α and c
+    fixed = [c for c in sweep if c["k"] != "auto"]
+    ref = sweep[0]  # the formula's inputs from the sweep's cells: mean α and c
     alpha = sum(c["alpha"] for c in sweep) / len(sweep)
     c_cost = sum(c["c"] for c in sweep) / len(sweep)
     ks = [k for k in range(1, max(v)) if k + 1 in v]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(ks, [predicted_speedup(alpha, k, c_cost, v[k + 1]) for k in ks], label=f"predicted (α={alpha:.2f}, c={c_cost:.2f})")
-    ax.plot([c["k"] for c in sweep], [c["speedup"] for c in sweep], "o", label="measured")
+    ax.plot([c["k"] for c in fixed], [c["speedup"] for c in fixed], "o", label="measured, fixed k")
+    for c in sweep:
+        if c["k"] == "auto":
+            ax.plot([c["k_used"]], [c["speedup"]], "r*", ms=12, label=f"measured, k = auto (settled at {c['k_used']})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="block length k", ylabel="speedup over target-only", title=f"Speedup vs k ({ref['set']}, T = 0)")
     ax.legend()

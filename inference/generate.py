@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from data.features import capture_features
 from data.io import SpecdrafterError
+from inference.autotune import BlockLengthTuner
 from inference.sampling import SamplingParams, sampling_probs
 from inference.tree import tree_attention, tree_positions
 from inference.verify import (RegretLedger, Verdict, verify_asd, verify_greedy, verify_sampling, verify_tree_greedy,
@@ -59,7 +60,7 @@ class ASDSettings:
 
 @torch.no_grad()
 def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                         params: SamplingParams = SamplingParams(0.0), k: int = 4,
+                         params: SamplingParams = SamplingParams(0.0), k: Union[int, BlockLengthTuner] = 4,
                          eos_token_ids: Sequence[int] = (), asd: Optional[ASDSettings] = None,
                          generator: Optional[torch.Generator] = None, record_tv: bool = False) -> GenerationResult:
     """Decode up to `max_new_tokens` after `prompt_ids`, drafting k tokens per cycle with `proposer`.
@@ -67,9 +68,14 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
     Greedy (params.temperature == 0) uses `verify_greedy` (or `verify_asd` when `asd` is given); otherwise
     exact speculative sampling, so the output is distributed exactly as the target's own sampling.
     `record_tv` stores D_TV(p, q) of every position the verifier tried (an audit of α = 1 − D_TV; costs time).
+    `k` may be a `BlockLengthTuner` (inference/autotune.py): it then picks the block length of every cycle from the
+    cycles before it (calibrating the target's v(n) on this prompt the first time) and learns from each one.
     """
-    if k < 1:
+    tuner = k if isinstance(k, BlockLengthTuner) else None
+    if tuner is None and k < 1:
         raise SpecdrafterError(f"block length k must be >= 1, got {k}")
+    if tuner is not None and not tuner.calibrated:
+        tuner.calibrate(target, prompt_ids)
     if asd is not None and not params.greedy:
         raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
     taps = getattr(proposer, "feature_layers", ())  # EAGLE / Medusa read target features; draft models do not
@@ -78,9 +84,10 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
                            features if taps else None, record_tv and asd is None)
 
 
-def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
+def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos_token_ids, asd, generator,
                 features, record_tv=False) -> GenerationResult:
-    committed, cache = _prefill(target, prompt_ids, max_new_tokens + k)
+    tuner = block if isinstance(block, BlockLengthTuner) else None
+    committed, cache = _prefill(target, prompt_ids, max_new_tokens + (tuner.max_k if tuner else block))
     proposer.reset()
     _observe(proposer, features, slice(None))
     ledger = RegretLedger(asd.budget) if asd else None
@@ -88,6 +95,7 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_tok
     eos = set(eos_token_ids)
     done = False
     while not done:
+        k = tuner.choose() if tuner else block  # from past cycles only: exactness holds for any k
         t0 = time.perf_counter()
         proposal = proposer.propose(committed, k, params, generator)
         t1 = time.perf_counter()
@@ -101,6 +109,8 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_tok
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
         result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
+        if tuner:
+            tuner.update(k, verdict.num_accepted, t1 - t0)
         if record_tv:
             result.cycles[-1].tv = total_variation(proposal, logits, min(verdict.num_accepted + 1, k), params)
             result.cycles[-1].tv_s = time.perf_counter() - t2

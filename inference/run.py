@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Union
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from data.assets import load_target
 from data.io import SpecdrafterError
+from inference.autotune import BlockLengthTuner
 from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from inference.eagle import EagleProposer, EagleTreeProposer, load_eagle1, load_eagle3
 from inference.medusa import MedusaProposer, MedusaTreeProposer, check_heads_fit, load_medusa, typical_generate
@@ -45,6 +47,12 @@ def serving_model(drafter_folder: Path, target):
     check_vocabularies(target, backbone)
     log.info(f"Medusa-2: serving the backbone fine-tuned with the heads ({folder}) in place of the target")
     return backbone
+
+
+def block_length(inference: DictConfig) -> Union[int, BlockLengthTuner]:
+    """inference.k as the loop takes it: a number, or a tuner for `auto` (keep one per stream of requests: it
+    learns from every cycle)."""
+    return BlockLengthTuner(inference.k_max) if inference.k == "auto" else inference.k
 
 
 def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
@@ -128,6 +136,7 @@ def decode(cfg: DictConfig) -> DecodeReport:
     elif hasattr(proposer, "propose_tree"):
         result = tree_speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, eos, generator)
     else:
-        result = speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, inf.k, eos, asd, generator)
+        result = speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, block_length(inf), eos, asd,
+                                      generator)
     seconds = time.perf_counter() - start
     return DecodeReport(tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)

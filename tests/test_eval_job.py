@@ -91,12 +91,12 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
     run_eval(cfg)
     data = json.loads((out / "results.json").read_text())
     ids = [c["id"] for c in data["cells"]]
-    # 2 checkpoints × 2 sets × 2 temperatures × chain, + k sweep {1, 2} + per set: ASD × 2 settings (strict exists)
-    assert len(ids) == len(set(ids)) == 8 + 2 + 4
+    # 2 checkpoints × 2 sets × 2 temperatures × chain, + k sweep {1, 2, auto} + per set: ASD × 2 settings (strict exists)
+    assert len(ids) == len(set(ids)) == 8 + 3 + 4
     assert not set(calls) & set(c["id"] for c in first["cells"])  # the rerun skipped the finished cells
     assert data["cells"][:3] == first["cells"]  # ... and left them untouched
     run_eval(cfg)  # nothing left: no cell runs
-    assert len(calls) == 14 - 3
+    assert len(calls) == 15 - 3
 
     assert data["schema"] == 1 and data["drafter"] == "draft_model"
     assert set(data["machine"]["v"]) == {"1", "2", "3", "4"} and data["machine"]["v"]["1"] == 1.0
@@ -106,7 +106,8 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
                 "tokens_per_s", "speedup", "tau", "alpha", "per_position", "mean_tv", "alpha_tv_gap", "c",
                 "predicted_speedup", "best_k", "outputs"} <= set(c)
         assert c["tau"] == pytest.approx(c["tokens"] / c["target_passes"], abs=1e-3)
-        assert 0 <= c["alpha"] <= 1 and len(c["per_position"]) == c["k"] and c["c"] > 0
+        assert 0 <= c["alpha"] <= 1 and c["c"] > 0
+        assert len(c["per_position"]) == c["k"] if c["k"] != "auto" else len(c["per_position"]) >= c["k_used"]
         rows = [json.loads(x) for x in (out / c["outputs"]).read_text().splitlines()]
         assert len(rows) == 2 and sum(len(r["tokens"]) for r in rows) == c["tokens"]
         if c["verifier"] == "chain":
@@ -117,7 +118,9 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
             assert c["temperature"] == 0 and c["asd_regret"] is not None and c["checkpoint"] == "step-000004"
         assert (c["answer_accuracy"] is not None) == (c["set"] == "gsm8k")
     assert {c["step"] for c in data["cells"]} == {2, 4}
-    assert sorted(c["k"] for c in data["cells"] if c["sweep"]) == [1, 2]
+    assert [c["k"] for c in data["cells"] if c["sweep"]] == [1, 2, "auto"]
+    auto = next(c for c in data["cells"] if c["k"] == "auto")
+    assert 1 <= auto["k_used"] <= 8 and auto["predicted_speedup"] > 0  # where the tuner settled, and its prediction
 
     report = (out / "report.md").read_text()
     assert "## ASD audit" in report and "## Speedup vs k" in report and "## By checkpoint" in report
@@ -137,6 +140,36 @@ def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_p
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     with pytest.raises(SpecdrafterError, match="max_new_tokens"):
         run_eval(eval_recipe(tiny_target, run_dir, out, "eval.max_new_tokens=9"))
+
+
+def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
+    out = tmp_path / "eval"
+    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[tree]",
+                         "eval.k_sweep=[]", "inference.tree=[[0],[1],[0,0]]", f"eval.checkpoint={run_dir}/checkpoints/step-000004"))
+    data = json.loads((out / "results.json").read_text())
+    assert [c["verifier"] for c in data["cells"]] == ["tree", "tree"] and "4" in data["machine"]["v"]
+    for c in data["cells"]:
+        assert c["tree_size"] == 4 and len(c["per_position"]) == 2  # depth 2
+        v4 = data["machine"]["v"]["4"]
+        assert c["predicted_speedup"] == pytest.approx(c["tau"] / (v4 + c["c"]), rel=2e-3)
+        assert c["mean_tv"] is None and c["best_k"] is None
+
+
+def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
+    """A smoke run of the side-by-side benchmark (numbers on tiny models mean nothing; the columns must exist)."""
+    from eval import bench_decode
+    bench_decode.main(["recipes/smollm2-135m-generate.yaml", f"target.model={tiny_target}", "inference.k=2",
+                       "inference.tree=[[0],[1],[0,0]]", "--draft-model", str(run_dir / "checkpoints/step-000004/drafter"),
+                       "--sets", "mtbench", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench_decode.json").read_text())
+    arms = [(r["temperature"], r["arm"]) for r in data["rows"]]
+    assert arms == [(t, a) for t in (0.0, 1.0) for a in ("target", "hf_assisted", "draft_model_chain", "draft_model_tree")]
+    for r in data["rows"]:
+        assert len(r["repeats"]) == 2 and r["tokens_per_s"] > 0
+        if r["arm"].startswith("draft_model"):
+            assert {"tau", "alpha", "c", "predicted_speedup", "measured_over_predicted"} <= set(r)
+    assert (tmp_path / "bench_decode.md").read_text().count("\n| ") >= 8
+    assert (tmp_path / "bench_decode.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------------------------------- pieces

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from data.assets import load_prompt_set, load_target  # noqa: E402
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside  # noqa: E402
 from inference.generate import speculative_generate  # noqa: E402
-from inference.run import build_proposer, serving_model  # noqa: E402
+from inference.run import block_length, build_proposer, serving_model  # noqa: E402
 from inference.sampling import SamplingParams  # noqa: E402
 from train.batches import TrainingData  # noqa: E402
 from train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
@@ -273,10 +273,11 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     tokens = passes = accepted = drafted = 0
+    k = block_length(c.inference)
     for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, 2)]:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), c.inference.k, eos)
+        r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), k, eos)
         tokens, passes = tokens + len(r.tokens), passes + len(r.cycles)
         accepted, drafted = accepted + sum(x.accepted for x in r.cycles), drafted + sum(x.drafted for x in r.cycles)
     return {"decode/tau": tokens / max(passes, 1), "decode/alpha": accepted / max(drafted, 1)}

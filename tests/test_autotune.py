@@ -1,0 +1,123 @@
+"""The auto-tuned block length: the cost model, the choice it makes from known acceptance and costs, learning
+from cycles, and exactness of the loop when k changes from cycle to cycle (greedy identity, χ² at T = 1)."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaForCausalLM
+
+from conftest import tiny_llama_config
+from inference.autotune import BlockLengthTuner, expected_tokens
+from inference.generate import speculative_generate
+from inference.proposers import DraftModelProposer
+from inference.sampling import SamplingParams
+
+
+def test_expected_tokens_is_one_plus_the_survival_sum():
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([0.8, 0.5], 1) == pytest.approx(1.8)
+    a = 0.7  # constant acceptance: the seed's closed form (1 − α^(k+1)) / (1 − α)
+    assert expected_tokens([a] * 5, 5) == pytest.approx((1 - a ** 6) / (1 - a))
+
+
+def tuner_with(acceptance, c, v, max_k=8):
+    """A tuner that has 'seen' enough cycles to know the given per-position acceptance and draft cost c."""
+    t = BlockLengthTuner(max_k, prior_accepted=0, prior_tried=0)
+    t.accepted, t.tried = [1e6 * a for a in acceptance], [1e6] * max_k
+    t.step_s, t.v, t.draft_s, t.drafted = 1.0, v, c * 1000, 1000
+    return t
+
+
+@pytest.mark.parametrize("alpha,c,expected_k", [(0.9, 0.05, 7), (0.1, 0.3, 1), (0.6, 0.1, 2)])
+def test_choice_maximises_the_predicted_speedup(alpha, c, expected_k):
+    v = {n: 1 + 0.15 * (n - 1) for n in range(1, 10)}
+    tuner = tuner_with([alpha] * 8, c, v)
+    brute = max(range(1, 9), key=lambda k: ((1 - alpha ** (k + 1)) / (1 - alpha)) / (v[k + 1] + k * c))
+    assert tuner.choose() == brute == expected_k
+
+
+def test_per_position_curve_not_a_single_alpha_drives_the_choice():
+    v = {n: 1.0 for n in range(1, 10)}  # free verification: any position worth more than c is worth drafting
+    tuner = tuner_with([0.9, 0.9, 0.9, 0.05, 0.05, 0.05, 0.05, 0.05], 0.2, v)
+    assert tuner.choose() == 3  # the curve collapses after position 3
+
+
+def test_update_counts_tried_and_accepted_positions():
+    t = BlockLengthTuner(4, prior_accepted=0, prior_tried=0)
+    t.update(drafted=4, accepted=2, draft_s=0.4)  # positions 1, 2 accepted, 3 rejected, 4 never tried
+    t.update(drafted=4, accepted=4, draft_s=0.4)
+    assert t.tried == [2, 2, 2, 1] and t.accepted == [2, 2, 1, 1]
+    t.step_s = 0.5
+    assert t.draft_cost() == pytest.approx(0.8 / 8 / 0.5)
+    assert BlockLengthTuner(6, start_k=4).choose() == 4  # nothing measured: the starting block length
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=4, tie_word_embeddings=False)).eval()
+    draft = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=4, tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # the draft = the target with noise: acceptance high but not 1
+        for q, p in zip(draft.parameters(), target.parameters()):
+            q.copy_(p + 0.02 * torch.randn_like(p))
+    return target, draft
+
+
+def test_auto_greedy_is_token_identical_and_learns(pair):
+    target, draft = pair
+    tuner = BlockLengthTuner(max_k=6)
+    for prompt in ([5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]):
+        result = speculative_generate(target, DraftModelProposer(draft), prompt, 30, SamplingParams(0.0), tuner, [2])
+        reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, eos_token_id=[2],
+                                    pad_token_id=2)[0, len(prompt):].tolist()
+        assert result.tokens == reference
+    assert tuner.calibrated and sorted(tuner.v) == list(range(1, 8))
+    assert sum(tuner.tried) > 20 and tuner.draft_cost() > 0
+
+
+class Cycling(BlockLengthTuner):
+    """A block-length policy that changes k every cycle (1, 2, 3, 1, …), from past cycles only."""
+
+    cycles = 0
+
+    def choose(self) -> int:
+        return 1 + self.cycles % 3
+
+    def update(self, drafted, accepted, draft_s):
+        self.cycles += 1
+
+
+def test_changing_k_every_cycle_still_samples_from_the_target():
+    """First three tokens at T = 1 with k = 1, 2, 3, 1, … vs the target's own distribution (χ², level 1e-4)."""
+    torch.manual_seed(0)
+    V = 4
+    target = LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=2, hidden_size=16, intermediate_size=32)).eval()
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=1, hidden_size=16, intermediate_size=32)).eval()
+    with torch.no_grad():  # peakier, more context-dependent distributions than a raw random init
+        for layer in target.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+        target.model.embed_tokens.weight.mul_(4)
+    prompt, n = [3, 1], 3000
+    tuner = Cycling(max_k=3)
+    tuner.v = {1: 1.0}  # calibrated (the policy ignores costs)
+    gen = torch.Generator().manual_seed(0)
+    counts, ks = Counter(), Counter()
+    for _ in range(n):
+        r = speculative_generate(target, DraftModelProposer(draft), prompt, 3, SamplingParams(1.0), tuner, generator=gen)
+        counts[tuple(r.tokens)] += 1
+        ks.update(c.drafted for c in r.cycles)
+    assert set(ks) == {1, 2, 3}
+    with torch.no_grad():
+        seqs = [(a, b, c) for a in range(V) for b in range(V) for c in range(V)]
+        probs = {}
+        for a, b, c in seqs:
+            logits = target(torch.tensor([prompt + [a, b]])).logits[0, -3:].double().softmax(-1)  # rows for a, b, c
+            probs[(a, b, c)] = float(logits[0, a] * logits[1, b] * logits[2, c])
+    expected = np.array([probs[s] for s in seqs]) * n
+    observed = np.array([counts.get(s, 0) for s in seqs], dtype=float)
+    assert chisquare(observed, expected).pvalue > 1e-4
