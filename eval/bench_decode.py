@@ -74,6 +74,8 @@ def build_arms(cfg, args, target, eos) -> List[Arm]:
 
     def chain(proposer, asd=None):
         block = block_length(inf)  # a tuner (k = auto) per arm, learning across its prompts
+        if not isinstance(block, int):
+            block.calibrate(target, [1] * 16)  # before any timing
         return lambda prompt, t, g: speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t), block,
                                                          eos, asd, g)
 
@@ -86,7 +88,11 @@ def build_arms(cfg, args, target, eos) -> List[Arm]:
         c.drafter.kind, c.drafter.path = kind, str(path) if path else None
         c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
         for key, value in inference.items():
-            c.inference[key] = value
+            if isinstance(value, dict):  # a structured sub-config (dynamic_tree): set its fields one by one
+                for field_name, x in value.items():
+                    c.inference[key][field_name] = x
+            else:
+                c.inference[key] = value
         return c
 
     arms = [Arm("target", hf())]

@@ -190,11 +190,14 @@ def run_eval(cfg: DictConfig) -> Path:
     tree_size = 0
     if todo:
         tree_size = _tree_size(cfg) if any(p["verifier"] in ("tree", "typical") for p in todo) else 0
-        longest = max([cfg.inference.k_max if k == "auto" else k, *e.k_sweep])
+        auto = k == "auto" or bool(e.k_sweep)  # an auto-tuned cell will run: its tuner needs v(n) up to k_max + 1
+        longest = max([0 if k == "auto" else k, *e.k_sweep, cfg.inference.k_max if auto else 0])
         sizes = sorted({*range(1, longest + 2), *([tree_size] if tree_size else [])})
-        costs = step_costs(target, prompts[next(iter(prompts))][0], sizes)
-        results.data["machine"] = {"target_step_s": costs[1], "v": {str(n): t / costs[1] for n, t in costs.items()}}
-        results.save()
+        known = results.data["machine"].get("v", {})
+        if not all(str(n) in known for n in sizes):  # measured once per results.json, so every cell shares one v(n)
+            costs = step_costs(target, prompts[next(iter(prompts))][0], sorted({*sizes, *map(int, known)}))
+            results.data["machine"] = {"target_step_s": costs[1], "v": {str(n): t / costs[1] for n, t in costs.items()}}
+            results.save()
     machine = results.data["machine"]
     v = {int(n): x for n, x in machine.get("v", {}).items()}
 
@@ -298,7 +301,8 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
               tokenizer) -> dict:
     """Decode every prompt of the cell through the loop and measure it."""
     temperature, verifier = p["temperature"], p["verifier"]
-    block = BlockLengthTuner(cfg.inference.k_max) if p["k"] == "auto" else p["k"]  # one tuner for the whole cell
+    # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
+    block = BlockLengthTuner(cfg.inference.k_max, step_costs={n: x * one for n, x in v.items()}) if p["k"] == "auto" else p["k"]
     params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
     asd = ASDSettings(*p["asd"]) if p["asd"] else None
     cycles, rows, seconds, regret = [], [], 0.0, 0.0

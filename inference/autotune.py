@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -51,13 +51,16 @@ class BlockLengthTuner:
     cycles), so an unexplored position is neither ruled out nor trusted. `calibrate` measures v(n) once per target.
     """
 
-    def __init__(self, max_k: int = 8, start_k: int = 4, prior_accepted: float = 1.0, prior_tried: float = 2.0):
+    def __init__(self, max_k: int = 8, start_k: int = 4, prior_accepted: float = 1.0, prior_tried: float = 2.0,
+                 step_costs: Optional[Dict[int, float]] = None):
         self.max_k, self.start_k = max_k, min(start_k, max_k)
         self.accepted = [prior_accepted] * max_k
         self.tried = [prior_tried] * max_k
         self.draft_s, self.drafted = 0.0, 0
         self.v: Dict[int, float] = {}
         self.step_s = 0.0  # seconds of one target decode step
+        if step_costs and all(n in step_costs for n in range(1, max_k + 2)):  # measured already: no calibration
+            self.step_s, self.v = step_costs[1], {n: step_costs[n] / step_costs[1] for n in range(1, max_k + 2)}
 
     @property
     def calibrated(self) -> bool:
