@@ -99,7 +99,7 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
     assert len(calls) == 15 - 3
 
     assert data["schema"] == 1 and data["drafter"] == "draft_model"
-    assert set(data["machine"]["v"]) == {"1", "2", "3", "4"} and data["machine"]["v"]["1"] == 1.0
+    assert set(data["machine"]["v"]) == {str(n) for n in range(1, 10)} and data["machine"]["v"]["1"] == 1.0  # up to k_max + 1
     assert set(data["baselines"]) == {"mtbench|T=0.0", "mtbench|T=1.0", "gsm8k|T=0.0", "gsm8k|T=1.0"}
     for c in data["cells"]:
         assert {"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tokens", "target_passes",
