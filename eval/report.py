@@ -100,6 +100,7 @@ def _table(rows: List[dict], columns) -> str:
     body = []
     for r in rows:
         values = [key(r) if callable(key) else r.get(key) for _, key in columns]
+        values = [v + 0.0 if isinstance(v, float) else v for v in values]  # no "-0" from a rounded negative zero
         body.append("| " + " | ".join("" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in values) + " |")
     return "\n".join([head, rule, *body])
 
