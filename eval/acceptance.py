@@ -17,6 +17,12 @@ def per_position_acceptance(cycles: List[CycleStats]) -> List[Optional[float]]:
     return [a / r if r else None for a, r in zip(accepted, reached)]  # None: no cycle got that far
 
 
+def position_counts(cycles: List[CycleStats]) -> List[int]:
+    """How many cycles tried draft position j (j = 1..k): the sample size behind each point of the curve."""
+    k = max((c.drafted for c in cycles), default=0)
+    return [sum(1 for c in cycles if c.accepted >= j and c.drafted > j) for j in range(k)]
+
+
 def alpha_per_token(cycles: List[CycleStats]) -> float:
     """Accepted drafts / draft positions tried (a cycle tries its accepted ones plus the first rejected)."""
     tried = sum(min(c.accepted + 1, c.drafted) for c in cycles)

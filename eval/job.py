@@ -16,6 +16,7 @@ results.json (schema 1):
                 "tau",            tokens per target pass, bonus included
                 "alpha",          accepted drafts / draft positions tried
                 "per_position",   P(draft j accepted | drafts 1..j−1 accepted), j = 1..k (trees: by depth)
+                "per_position_n", how many cycles tried position j (the sample size of each point)
                 "mean_tv", "alpha_tv_gap",   mean D_TV(p, q) at the tried positions and α − (1 − mean D_TV): ≈ 0 for
                                              exact chain sampling (chain cells only; null elsewhere)
                 "c",              draft time per drafted token (per tree, for trees) ÷ target step
@@ -44,7 +45,7 @@ from data.assets import load_prompt_set, load_target
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from eval.report import write_report
 from eval.acceptance import (alpha_per_token, best_block_length, modal_block_length, per_position_acceptance,
-                             predicted_speedup)
+                             position_counts, predicted_speedup)
 from inference.autotune import BlockLengthTuner, step_costs
 from inference.generate import ASDSettings, speculative_generate, tree_speculative_generate
 from inference.medusa import typical_generate
@@ -329,6 +330,7 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
                 tokens=tokens, target_passes=len(cycles), seconds=round(seconds, 3),
                 tokens_per_s=round(tokens / seconds, 3), tau=round(tokens / max(len(cycles), 1), 3), alpha=round(alpha, 4),
                 per_position=[None if a is None else round(a, 4) for a in per_position_acceptance(cycles)],
+                per_position_n=position_counts(cycles),
                 mean_tv=None, alpha_tv_gap=None, c=round(c, 4), predicted_speedup=None, measured_over_predicted=None,
                 best_k=None, asd_regret=round(regret / len(prompts), 4) if asd else None)
     tvs = [t for x in cycles for t in (x.tv or [])]

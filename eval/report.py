@@ -18,6 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from data.io import atomic_write_text  # noqa: E402
 from eval.acceptance import predicted_speedup  # noqa: E402
 
+MIN_SAMPLES = 5  # fewest cycles behind a point of the acceptance-by-position plot
+
 
 def write_report(data: dict, out: Path) -> Path:
     cells = data["cells"]
@@ -33,9 +35,9 @@ def write_report(data: dict, out: Path) -> Path:
         ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("predicted", "predicted_speedup"),
         ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"), ("α − (1 − D_TV)", "alpha_tv_gap"),
         ("c", "c"), ("best k", "best_k"), ("GSM8K acc.", "answer_accuracy")]), ""]
-    lines += ["Per-position acceptance (P(draft j accepted | 1..j−1 accepted)):", "",
+    lines += ["Per-position acceptance (P(draft j accepted | 1..j−1 accepted); in brackets the cycles that tried j):", "",
               _table(main, [("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
-                            ("per position", lambda c: " ".join("–" if a is None else f"{a:.2f}" for a in c["per_position"]))]), ""]
+                            ("per position", _positions)]), ""]
     steps = [c for c in cells if not c["sweep"] and c["verifier"] != "asd"]
     if len({c["checkpoint"] for c in steps}) > 1:
         lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
@@ -86,6 +88,12 @@ def _newest(cells: List[dict]) -> str:
     return max(cells, key=lambda c: (c["step"] is not None, c["step"] or 0))["checkpoint"] if cells else "–"
 
 
+def _positions(c: dict) -> str:
+    counts = c.get("per_position_n") or [None] * len(c["per_position"])
+    return " ".join(("–" if a is None else f"{a:.2f}") + ("" if n is None else f" [{n}]")
+                    for a, n in zip(c["per_position"], counts))
+
+
 def _shape(c: dict) -> str:
     if c.get("tree_size"):
         return f"tree {c['tree_size']}"
@@ -110,9 +118,11 @@ def _plot_positions(cells: List[dict], out: Path):
     if not chain:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for c in chain:
-        ys = [a for a in c["per_position"]]
-        ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker="o", label=f"T = {c['temperature']:g}")
+    for c in chain:  # points tried by fewer than MIN_SAMPLES cycles are left out: one cycle makes a 0 or a 1
+        counts = c.get("per_position_n") or [MIN_SAMPLES] * len(c["per_position"])
+        ys = [float("nan") if y is None or n < MIN_SAMPLES else y for y, n in zip(c["per_position"], counts)]
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"T = {c['temperature']:g}")
+    ax.set_xticks(range(1, max(len(c["per_position"]) for c in chain) + 1))
     ax.set(xlabel="draft position j", ylabel="P(accepted | 1..j−1 accepted)", ylim=(0, 1),
            title=f"Acceptance by position ({chain[0]['set']}, {chain[0]['checkpoint']})")
     ax.legend()

@@ -106,6 +106,7 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
                 "tokens_per_s", "speedup", "tau", "alpha", "per_position", "mean_tv", "alpha_tv_gap", "c",
                 "predicted_speedup", "best_k", "outputs"} <= set(c)
         assert c["tau"] == pytest.approx(c["tokens"] / c["target_passes"], abs=1e-3)
+        assert len(c["per_position_n"]) == len(c["per_position"]) and c["per_position_n"][0] == c["target_passes"]
         assert 0 <= c["alpha"] <= 1 and c["c"] > 0
         assert len(c["per_position"]) == c["k"] if c["k"] != "auto" else len(c["per_position"]) >= c["k_used"]
         rows = [json.loads(x) for x in (out / c["outputs"]).read_text().splitlines()]
