@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, List
 
 from safetensors.torch import save_file
 
@@ -72,6 +72,11 @@ def remove_stale_temps(folder: Path) -> None:
         return
     for p in folder.glob(".*.tmp"):
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def complete_checkpoints(root: Path) -> List[Path]:
+    """Checkpoint folders (root/step-NNNNNN) whose trainer_state.json — written last — exists, oldest first."""
+    return sorted(p.parent for p in Path(root).glob("step-*/trainer_state.json"))
 
 
 def write_config_and_weights(module, folder: Path) -> None:

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.assets import load_prompt_set, load_target
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints
 from eval.report import write_report
 from eval.acceptance import (alpha_per_token, best_block_length, modal_block_length, per_position_acceptance,
                              position_counts, predicted_speedup)
@@ -76,7 +76,7 @@ def find_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
     if not path.is_dir():
         raise SpecdrafterError(f"checkpoint {str(path)!r} does not exist")
     if (path / "checkpoints").is_dir():
-        found = sorted(p.parent for p in (path / "checkpoints").glob("step-*/trainer_state.json"))
+        found = complete_checkpoints(path / "checkpoints")
         if not found and (path / "drafter").is_dir():
             return [_drafter_folder(path / "drafter", kind)]
         if not found:
@@ -325,7 +325,7 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
     tokens = sum(len(r["tokens"]) for r in rows)
     alpha = alpha_per_token(cycles)
     c = sum(x.draft_s for x in cycles) / max(sum(x.drafted for x in cycles) if verifier in ("chain", "asd") else len(cycles), 1) / one
-    cell = {k_: v_ for k_, v_ in p.items()}
+    cell = dict(p)
     cell.update(tree_size=_tree_size(cfg) if verifier in ("tree", "typical") else None, prompts=len(prompts),
                 tokens=tokens, target_passes=len(cycles), seconds=round(seconds, 3),
                 tokens_per_s=round(tokens / seconds, 3), tau=round(tokens / max(len(cycles), 1), 3), alpha=round(alpha, 4),

@@ -203,12 +203,17 @@ def test_eagle3_exports_load_back_with_identical_logits(tmp_path, fmt, checkpoin
     assert reloaded.aux_layer_ids == [1, 2, 3]
     torch.testing.assert_close(eagle_logits(reloaded, target, IDS), eagle_logits(head, target, IDS), rtol=0, atol=0)
     if fmt == "vllm":  # decoding through the exported head = through the trained one = the target's greedy output
-        prompt = prompt_ids(smollm2_tokenizer)
-        mine = speculative_generate(target, EagleProposer(reloaded, target), prompt, 16, GREEDY, 3)
-        theirs = speculative_generate(target, EagleProposer(head, target), prompt, 16, GREEDY, 3)
-        plain = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        assert mine.tokens == theirs.tokens == plain
-        assert [s.accepted for s in mine.cycles] == [s.accepted for s in theirs.cycles]
+        assert_decodes_alike(target, EagleProposer(reloaded, target), EagleProposer(head, target), smollm2_tokenizer)
+
+
+def assert_decodes_alike(target, exported, trained, tokenizer):
+    """Greedy decoding through the exported drafter = through the trained one (cycle by cycle) = the target's own."""
+    prompt = prompt_ids(tokenizer)
+    mine = speculative_generate(target, exported, prompt, 16, GREEDY, 3)
+    theirs = speculative_generate(target, trained, prompt, 16, GREEDY, 3)
+    plain = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    assert mine.tokens == theirs.tokens == plain
+    assert [s.accepted for s in mine.cycles] == [s.accepted for s in theirs.cycles]
 
 
 def test_sglang_cannot_express_the_embeddings_as_an_aux_layer(tmp_path, checkpoint):
@@ -246,12 +251,7 @@ def test_medusa_exports_load_back_and_decode_like_the_target(tmp_path, fmt, chec
         reloaded = medusa_from_repo_layout(out)
     hidden = torch.randn(5, 32)
     torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
-    prompt = prompt_ids(smollm2_tokenizer)
-    mine = speculative_generate(target, MedusaProposer(reloaded, target), prompt, 16, GREEDY, 3)
-    theirs = speculative_generate(target, MedusaProposer(heads, target), prompt, 16, GREEDY, 3)
-    plain = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    assert mine.tokens == theirs.tokens == plain
-    assert [s.accepted for s in mine.cycles] == [s.accepted for s in theirs.cycles]
+    assert_decodes_alike(target, MedusaProposer(reloaded, target), MedusaProposer(heads, target), smollm2_tokenizer)
 
 
 def test_medusa_repo_layout_refuses_distinct_resblocks_it_would_tie(tmp_path, checkpoint):

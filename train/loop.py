@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from data.assets import load_prompt_set, load_target  # noqa: E402
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside  # noqa: E402
+from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints,  # noqa: E402
+                     publish_dir, temp_dir_beside)
 from inference.generate import speculative_generate  # noqa: E402
 from inference.run import block_length, build_proposer, serving_model  # noqa: E402
 from inference.sampling import SamplingParams  # noqa: E402
@@ -114,11 +115,6 @@ def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
-def complete_checkpoints(root: Path) -> List[Path]:
-    """Checkpoint folders whose trainer_state.json (written last) exists, oldest first."""
-    return sorted(p.parent for p in root.glob("step-*/trainer_state.json"))
-
-
 def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
     def flat(c):
         return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
