@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from data.io import SpecdrafterError, save_config_and_weights
 from inference.proposers import Proposal
-from inference.sampling import SamplingParams, sampling_probs
+from inference.sampling import SamplingParams, draw
 from inference.tree import TreeShape, tree_from_parents
 
 KV = Tuple[torch.Tensor, torch.Tensor]
@@ -285,29 +285,28 @@ class EagleProposer:
         self.cached, self.pending = start + m, []
         return out[:, -1:]
 
-    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Scatter draft-vocabulary logits [..., Vd] into the target vocabulary [..., V] (others −inf), so the
-        draft's q and the target's p go through the same sampling function."""
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.head.draft_ids] = draft_logits
-        return full
-
     @torch.no_grad()
     def propose(self, committed: List[int], k: int, params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> Proposal:
         hidden = self.feed_pending(committed)  # [1, 1, d] predicts the token after the newest committed one
         position = self.cached  # the first drafted pair sits right after the fed positions
-        tokens, rows = [], []
+        draft_ids = self.head.draft_ids  # [Vd] target id of each draft-vocabulary entry
+        indices, rows = [], []
         for step in range(k):
-            q = sampling_probs(self.to_target_logits(self.head.logits(hidden)[0, -1]), params)  # [V]
-            token = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
-            tokens.append(token)
+            # sampled in the draft vocabulary: the other target tokens have q = 0 (logit −inf) anyway
+            index, q = draw(self.head.logits(hidden)[0, -1], params, generator)  # q [Vd] or None (greedy)
+            indices.append(index)
             rows.append(q)
             if step == k - 1:
                 break
-            hidden, _ = self.head(hidden, self.embed(torch.tensor([[token]])), torch.tensor([[position + step]]),
-                                  None, self.cache)  # [1, 1, d]
-        return Proposal(torch.tensor(tokens), None if params.greedy else torch.stack(rows))
+            token = draft_ids[index:index + 1][None]  # [1, 1]
+            hidden, _ = self.head(hidden, self.embed(token), torch.tensor([[position + step]]), None, self.cache)
+        tokens = draft_ids[indices]  # [k]
+        if params.greedy:
+            return Proposal(tokens, None)
+        probs = torch.zeros(k, self.vocab_size, dtype=torch.float64)
+        probs[:, draft_ids] = torch.stack(rows)  # [k, V] the q rows in the target's vocabulary
+        return Proposal(tokens, probs)
 
     def rollback(self, num_committed: int) -> None:
         drafted = self.cache.get_seq_length() - self.cached

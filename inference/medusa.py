@@ -29,7 +29,7 @@ from data.features import capture_features
 from data.io import SpecdrafterError, save_config_and_weights
 from inference.generate import CycleStats, GenerationResult, _commit, _observe, _prefill, compact_cache, tree_pass
 from inference.proposers import Proposal
-from inference.sampling import SamplingParams, sampling_probs
+from inference.sampling import SamplingParams, sample, sampling_probs
 from inference.tree import TreeShape
 from inference.verify import verify_typical
 
@@ -169,10 +169,11 @@ class MedusaProposer:
                 generator: torch.Generator | None = None) -> Proposal:
         if k > self.heads.num_heads:
             raise SpecdrafterError(f"block length k = {k} needs {k} Medusa heads but only {self.heads.num_heads} exist")
-        q = sampling_probs(self.head_logits()[:k], params)  # [k, V]; heads are independent given the feature
+        logits = self.head_logits()[:k]  # [k, V]; heads are independent given the feature
         if params.greedy:
-            return Proposal(q.argmax(-1), None)
-        return Proposal(torch.multinomial(q, 1, generator=generator).squeeze(1), q)  # each token drawn from its q row
+            return Proposal(logits.argmax(-1), None)
+        q = sampling_probs(logits, params)  # [k, V]
+        return Proposal(torch.tensor([sample(row, generator) for row in q]), q)  # each token drawn from its q row
 
     def rollback(self, num_committed: int) -> None:
         pass  # nothing drafted is cached; the next observe brings the feature of the new newest position

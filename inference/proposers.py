@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from data.io import SpecdrafterError
-from inference.sampling import SamplingParams, sampling_probs
+from inference.sampling import SamplingParams, draw
 from inference.tree import TreeShape, tree_attention, tree_from_parents, tree_positions
 
 
@@ -56,8 +56,7 @@ class DraftModelProposer:
             ids = torch.tensor([feed])  # [1, n]
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # [V]
             self.cached += len(feed)
-            q = sampling_probs(logits, params)  # [V]
-            token = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
+            token, q = draw(logits, params, generator)
             tokens.append(token)
             rows.append(q)
             feed = [token]

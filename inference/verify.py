@@ -13,6 +13,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from inference.sampling import sample
+
 
 @dataclass
 class Verdict:
@@ -26,7 +28,7 @@ class TreeVerdict(Verdict):
 
 
 def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return sample(probs, generator)
 
 
 def _uniform(generator: Optional[torch.Generator]) -> float:

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from data.io import SpecdrafterError
-from inference.sampling import SamplingParams, sampling_probs
+from inference.sampling import SamplingParams, draw, sample, sampling_probs
 from inference.verify import (RegretLedger, verify_asd, verify_greedy, verify_sampling, verify_tree_greedy,
                               verify_tree_sampling, verify_typical)
 
@@ -49,6 +49,27 @@ def test_sampling_probs_top_k_top_p_and_greedy():
     assert (nucleus > 0).tolist() == [True, True, False, False, True]
     torch.testing.assert_close(nucleus[nucleus > 0], full[nucleus > 0] / full[nucleus > 0].sum())
     torch.testing.assert_close(sampling_probs(logits, SamplingParams(2.0)), (logits.double() / 2).softmax(-1))
+
+
+def test_sample_inverts_the_cdf_exactly_and_never_draws_a_zero():
+    """The CDF-inversion sampler that replaced torch.multinomial in the verifiers and drafts: χ² against p,
+    unnormalised input accepted, zero-probability entries (including the last ones) never drawn."""
+    gen = torch.Generator().manual_seed(11)
+    p = random_dist(gen, 12, zeros=4)
+    p[-1] = 0.0
+    n = 20000
+    counts = Counter(sample(p * 3.7, gen) for _ in range(n))
+    assert_distribution(counts, {i: float(v) / float(p.sum()) for i, v in enumerate(p)}, n)
+    assert sample(torch.tensor([0.0, 0.0, 1.0, 0.0]), gen) == 2
+
+
+def test_draw_is_argmax_when_greedy_and_samples_q_otherwise():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.tensor([0.5, 2.0, 2.0, -1.0])
+    assert draw(logits, SamplingParams(0.0)) == (1, None)  # first maximum, no probabilities built
+    token, q = draw(logits, SamplingParams(0.7, top_k=2), gen)
+    torch.testing.assert_close(q, sampling_probs(logits, SamplingParams(0.7, top_k=2)))
+    assert token in (1, 2)
 
 
 @pytest.mark.parametrize("kwargs,word", [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"),
