@@ -201,6 +201,9 @@ class DynamicTreeConfig:
     total_tokens: int = 0  # EAGLE-2 dynamic tree of this many draft tokens (EAGLE-3 head or draft model); 0 = off
     depth: int = 5
     top_k: int = 8
+    # verify only as many of the total_tokens best candidates as maximise the predicted speedup, from the learnt
+    # acceptance per draft probability, the draft cost and v(n) (inference/autotune.TreeSizeTuner); false = all
+    auto_size: bool = True
 
 
 @dataclass

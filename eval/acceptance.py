@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from inference.autotune import pass_cost
 from inference.generate import CycleStats
 
 
@@ -45,3 +46,9 @@ def modal_block_length(cycles: List[CycleStats]) -> int:
 def best_block_length(alpha: float, c: float, v: Dict[int, float]) -> int:
     """The k that the formula says is fastest, over the k whose verification cost v(k+1) was measured."""
     return max((n - 1 for n in v if n >= 2), key=lambda k: predicted_speedup(alpha, k, c, v[k + 1]), default=1)
+
+
+def tree_predicted_speedup(tau: float, cycles: List[CycleStats], c: float, v: Dict[int, float]) -> float:
+    """A tree's measured τ over the cost of its average cycle, v(tree size) + c (c: draft time per cycle ÷ one
+    target step) — the size may change every cycle (inference.dynamic_tree.auto_size)."""
+    return tau / (sum(pass_cost(v, x.size) for x in cycles) / len(cycles) + c)

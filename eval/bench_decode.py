@@ -1,7 +1,7 @@
 """Decode benchmark, side by side in one run: target-only HF `generate`, HF assisted generation with our draft
-model, and our loops with every drafter given — draft model (chain), EAGLE-3 (chain, EAGLE-2 dynamic tree, ASD at
-T = 0), Medusa (static tree: exact and typical acceptance) — interleaved prompt by prompt on a fixed sample of
-MT-Bench, GSM8K and HumanEval first turns, repeated, at each temperature.
+model, and our loops with every drafter given — draft model (chain), EAGLE-3 (chain, EAGLE-2 dynamic tree verified
+whole and auto-sized, ASD at T = 0), Medusa (static tree: exact and typical acceptance) — interleaved prompt by
+prompt on a fixed sample of MT-Bench, GSM8K and HumanEval first turns, repeated, at each temperature.
 
     python -m eval.bench_decode recipes/smollm2-135m-generate.yaml --draft-model runs/smollm2-135m/draft-tv/drafter \\
         --eagle3 runs/smollm2-135m/eagle3/drafter --medusa runs/smollm2-135m/medusa/drafter \\
@@ -29,15 +29,16 @@ import torch
 from data.assets import load_prompt_set
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from data.recipe import load_recipe
-from eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup
-from inference.autotune import step_costs
+from eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup, tree_predicted_speedup
+from inference.autotune import TreeSizeTuner, step_costs
 from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from inference.medusa import typical_generate
 from inference.run import block_length, build_drafter, build_proposer, load_serving_target
 from inference.sampling import SamplingParams
 
 DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
-DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}
+DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # verified whole (eagle3_tree)
+AUTO_DYNAMIC_TREE = {"total_tokens": 32, "depth": 5, "top_k": 6}  # candidates the tuner sizes from (eagle3_tree_auto)
 
 
 @dataclass
@@ -80,6 +81,8 @@ def build_arms(cfg, args, target, eos) -> List[Arm]:
                                                          eos, asd, g)
 
     def tree(proposer):
+        if getattr(proposer, "tuner", None) is not None:
+            proposer.tuner.calibrate(target, [1] * 16)  # before any timing
         return lambda prompt, t, g: tree_speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t),
                                                               eos, g)
 
@@ -112,10 +115,15 @@ def build_arms(cfg, args, target, eos) -> List[Arm]:
         eagle = build_proposer(c, target)
         dyn = {**DEFAULT_DYNAMIC_TREE, **({k_: inf.dynamic_tree[k_] for k_ in DEFAULT_DYNAMIC_TREE}
                                            if inf.dynamic_tree.total_tokens else {})}
-        ct = variant("eagle3", given["eagle3"], dynamic_tree=dyn)
-        arms += [Arm("eagle3_chain", chain(eagle), f"k={k}", k),
-                 Arm("eagle3_tree", tree(build_proposer(ct, target)), f"dynamic {dyn['total_tokens']}/{dyn['depth']}/{dyn['top_k']}",
-                     tree_size=dyn["total_tokens"] + 1),
+
+        def eagle_tree(name, auto_size, **shape):  # the recipe's (or the default) dynamic tree, all of it or auto-sized
+            t = {**dyn, **shape, "auto_size": auto_size}
+            label = f"dynamic {t['total_tokens']}/{t['depth']}/{t['top_k']}" + (" auto" if auto_size else "")
+            proposer = build_proposer(variant("eagle3", given["eagle3"], dynamic_tree=t), target)
+            return Arm(name, tree(proposer), label, tree_size=t["total_tokens"] + 1)
+
+        arms += [Arm("eagle3_chain", chain(eagle), f"k={k}", k), eagle_tree("eagle3_tree", False),
+                 eagle_tree("eagle3_tree_auto", True, **AUTO_DYNAMIC_TREE),
                  Arm("eagle3_asd", chain(eagle, ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches)),
                      f"k={k} B={inf.asd.budget:g}", k, greedy_only=True)]
     if given.get("medusa"):
@@ -170,8 +178,10 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
                 alpha = alpha_per_token(cs)
                 k = modal_block_length(cs)  # the fixed k, or where the tuner settled
                 predicted = (predicted_speedup(alpha, k, c, v[k + 1]) if a.k
-                             else (tokens / len(cs)) / (v[a.tree_size] + c))
+                             else tree_predicted_speedup(tokens / len(cs), cs, c, v))
                 row["k_used"] = k if a.k else None
+                if a.tree_size:
+                    row["mean_tree_size"] = round(sum(x.size for x in cs) / len(cs), 2)
                 row.update(tau=round(tokens / len(cs), 3), alpha=round(alpha, 3), c=round(c, 3),
                            predicted_speedup=round(predicted, 3), measured_over_predicted=round(speed / base / predicted, 3),
                            verifier_per_token_vs_target_step=round(sum(x.verifier_s for x in cs) / tokens / one, 4))
@@ -184,6 +194,7 @@ def markdown(rows: List[dict], header: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = r["shape"] + (f" ({r['k_used']})" if "auto" in r["shape"] and r.get("k_used") else "")
+        shape += f" (mean {r['mean_tree_size']:g})" if "auto" in r["shape"] and r.get("mean_tree_size") else ""
         lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
                      f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
                      f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
@@ -238,7 +249,8 @@ def main(argv=None):
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for r in records]
     longest = cfg.inference.k_max if cfg.inference.k == "auto" else cfg.inference.k
-    sizes = sorted({*range(1, longest + 2), *(a.tree_size for a in arms if a.tree_size)})
+    grids = [TreeSizeTuner(a.tree_size - 1).sizes() for a in arms if a.tree_size]  # auto-sized trees: v(n) between
+    sizes = sorted({*range(1, longest + 2), *(a.tree_size for a in arms if a.tree_size), *(n for g in grids for n in g)})
     costs = step_costs(target, prompts[0], sizes)
     one, v = costs[1], {n: x / costs[1] for n, x in costs.items()}
     print(f"target step {one * 1e3:.1f} ms; v(n) = " + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()), file=sys.stderr)

@@ -22,6 +22,7 @@ results.json (schema 1):
                 "c",              draft time per drafted token (per tree, for trees) ÷ target step
                 "predicted_speedup", "measured_over_predicted", "best_k" (chain: the k the formula prefers),
                 "k_used",         the block length used most (k, or where `auto` settled)
+                "mean_tree_size", tree cells: tokens per target pass on average (≤ tree_size when auto-sized)
                 "asd_regret",     mean realised regret per prompt (ASD cells)
                 "sweep",          true for the speedup-vs-k cells
                 "outputs"}]}      a JSONL beside results.json: {id, tokens, text} per prompt
@@ -45,8 +46,8 @@ from data.assets import load_prompt_set, load_target
 from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints
 from eval.report import write_report
 from eval.acceptance import (alpha_per_token, best_block_length, modal_block_length, per_position_acceptance,
-                             position_counts, predicted_speedup)
-from inference.autotune import BlockLengthTuner, step_costs
+                             position_counts, predicted_speedup, tree_predicted_speedup)
+from inference.autotune import BlockLengthTuner, TreeSizeTuner, step_costs
 from inference.generate import ASDSettings, speculative_generate, tree_speculative_generate
 from inference.medusa import typical_generate
 from inference.run import build_proposer, serving_model
@@ -193,7 +194,8 @@ def run_eval(cfg: DictConfig) -> Path:
         tree_size = _tree_size(cfg) if any(p["verifier"] in ("tree", "typical") for p in todo) else 0
         auto = k == "auto" or bool(e.k_sweep)  # an auto-tuned cell will run: its tuner needs v(n) up to k_max + 1
         longest = max([0 if k == "auto" else k, *e.k_sweep, cfg.inference.k_max if auto else 0])
-        sizes = sorted({*range(1, longest + 2), *([tree_size] if tree_size else [])})
+        tuner = _tree_tuner(cfg, {}) if tree_size else None  # an auto-sized tree: v(n) on the tuner's grid too
+        sizes = sorted({*range(1, longest + 2), *([tree_size] if tree_size else []), *(tuner.sizes() if tuner else [])})
         known = results.data["machine"].get("v", {})
         if not all(str(n) in known for n in sizes):  # measured once per results.json, so every cell shares one v(n)
             costs = step_costs(target, prompts[next(iter(prompts))][0], sorted({*sizes, *map(int, known)}))
@@ -303,7 +305,10 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
     """Decode every prompt of the cell through the loop and measure it."""
     temperature, verifier = p["temperature"], p["verifier"]
     # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
-    block = BlockLengthTuner(cfg.inference.k_max, step_costs={n: x * one for n, x in v.items()}) if p["k"] == "auto" else p["k"]
+    costs = {n: x * one for n, x in v.items()}
+    block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if p["k"] == "auto" else p["k"]
+    if verifier == "tree" and hasattr(tree, "tuner"):  # a fresh tree-size tuner per cell (acceptance differs with T)
+        tree.tuner = _tree_tuner(cfg, costs)
     params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
     asd = ASDSettings(*p["asd"]) if p["asd"] else None
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
@@ -342,8 +347,10 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
     if verifier in ("chain", "asd") and k + 1 in v:
         cell["predicted_speedup"] = round(predicted_speedup(alpha, k, c, v[k + 1]), 3)
         cell["best_k"] = best_block_length(alpha, c, v)
-    elif verifier in ("tree", "typical") and cell["tree_size"] in v:  # τ measured; a cycle costs the tree pass + drafting
-        cell["predicted_speedup"] = round(cell["tau"] / (v[cell["tree_size"]] + c), 3)
+    if verifier in ("tree", "typical"):
+        cell["mean_tree_size"] = round(sum(x.size for x in cycles) / max(len(cycles), 1), 2)
+        if cell["tree_size"] in v:  # τ measured; a cycle costs the tree pass + drafting
+            cell["predicted_speedup"] = round(tree_predicted_speedup(cell["tau"], cycles, c, v), 3)
     name = f"outputs/{_slug(p['id'])}.jsonl"
     atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
     cell["outputs"] = name
@@ -365,6 +372,12 @@ def answer_accuracy(outputs: Path, records: List[dict]) -> Optional[float]:
         return None
     texts = [json.loads(line)["text"] for line in outputs.read_text().splitlines() if line.strip()]
     return round(sum(final_number(t) == final_number(ref) for t, ref in zip(texts, refs)) / len(refs), 4)
+
+
+def _tree_tuner(cfg: DictConfig, costs: Dict[int, float]) -> Optional[TreeSizeTuner]:
+    """The dynamic tree's size tuner with the job's measured costs, or None (a static tree, or auto_size off)."""
+    dyn = cfg.inference.dynamic_tree
+    return TreeSizeTuner(dyn.total_tokens, step_costs=costs) if dyn.total_tokens and dyn.auto_size else None
 
 
 def _tree_size(cfg: DictConfig) -> int:

@@ -96,7 +96,8 @@ def _positions(c: dict) -> str:
 
 def _shape(c: dict) -> str:
     if c.get("tree_size"):
-        return f"tree {c['tree_size']}"
+        mean = c.get("mean_tree_size")
+        return f"tree {c['tree_size']}" + (f" (auto, mean {mean:g})" if mean and mean < c["tree_size"] else "")
     return f"auto ({c.get('k_used')})" if c["k"] == "auto" else str(c["k"])
 
 

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from data.io import SpecdrafterError, save_config_and_weights
 from inference.proposers import Proposal
 from inference.sampling import SamplingParams, draw
-from inference.tree import TreeShape, tree_from_parents
+from inference.tree import TreeShape, select_dynamic_tree
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
@@ -326,7 +326,7 @@ class EagleTreeProposer(EagleProposer):
     returning, so the cache again holds only the `cached` committed pairs.
     """
 
-    def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60):
+    def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60, tuner=None):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
         if top_k > len(head.d2t):
@@ -334,6 +334,7 @@ class EagleTreeProposer(EagleProposer):
                                    f"({len(head.d2t)} tokens)")
         super().__init__(head, target)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.tuner = tuner  # a TreeSizeTuner: verify only as many of the total_tokens candidates as pay (None: all)
         self.max_tree_size = total_tokens + 1
 
     @torch.no_grad()
@@ -374,8 +375,5 @@ class EagleTreeProposer(EagleProposer):
             outputs.update(zip(frontier, hidden))
             fed_order += frontier
         self.cache.crop(-len(fed_order))  # rollback: drop the tree nodes, keep the `cached` committed pairs
-        keep = sorted(range(len(nodes)), key=lambda c: (-nodes[c][0], nodes[c][1]))[: self.total_tokens]
-        keep = sorted(keep, key=lambda c: (nodes[c][1], c))  # breadth-first: parents before children
-        index = {-1: 0, **{c: i + 1 for i, c in enumerate(keep)}}
-        shape = tree_from_parents([-1] + [index[nodes[c][2]] for c in keep])
+        shape, keep, self.node_probs = select_dynamic_tree(nodes, self.total_tokens, self.tuner)
         return shape, torch.tensor([committed[-1]] + draft_ids[[nodes[c][3] for c in keep]].tolist())

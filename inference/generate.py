@@ -32,6 +32,7 @@ class CycleStats:
     verifier_s: float = 0.0  # the verifier alone (the acceptance rule, after the target's logits exist)
     tv: Optional[List[float]] = None  # D_TV(p_i, q_i) at each draft position tried (record_tv=True only)
     tv_s: float = 0.0  # time spent recording tv (not part of decoding: subtract it from a timing)
+    size: int = 0  # tokens in the target pass (k + 1 for a chain; the tree's nodes incl. the root for a tree)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos
         cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
-        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
+        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv, size=k + 1))
         if tuner:
             tuner.update(k, verdict.num_accepted, t1 - t0)
         if record_tv:
@@ -127,6 +128,9 @@ def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[
     """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
     attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
     deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule."""
+    tuner = getattr(proposer, "tuner", None)  # a TreeSizeTuner picks how much of each drafted tree to verify
+    if tuner is not None and not tuner.calibrated:
+        tuner.calibrate(target, prompt_ids)
     taps = getattr(proposer, "feature_layers", ())
     with capture_features(target, taps) as features:
         return _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_ids, generator,
@@ -157,7 +161,10 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         new = [int(tokens[j]) for j in verdict.accepted_nodes] + [verdict.next_token]
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, keep)  # target features of the root and the accepted path
-        result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
+        result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv,
+                                        size=shape.size))
+        if getattr(proposer, "tuner", None) is not None:
+            proposer.tuner.update(shape.parents, proposer.node_probs, verdict.accepted_nodes, t1 - t0)
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
 

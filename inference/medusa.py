@@ -247,6 +247,7 @@ def typical_generate(target: nn.Module, proposer: MedusaTreeProposer, prompt_ids
             new = [int(tokens[j]) for j in accepted] + [verdict.next_token]
             proposer.rollback(len(committed) + len(new))
             _observe(proposer, features, keep)  # target features of the root and the accepted path
-            result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv))
+            result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv,
+                                            size=shape.size))
             done = _commit(new, committed, result, eos, max_new_tokens)
     return result

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from data.io import SpecdrafterError
 from inference.sampling import SamplingParams, draw
-from inference.tree import TreeShape, tree_attention, tree_from_parents, tree_positions
+from inference.tree import TreeShape, select_dynamic_tree, tree_attention, tree_positions
 
 
 @dataclass
@@ -145,11 +145,12 @@ class DynamicTreeProposer(DraftModelProposer):
     frontier; every proposed node is remembered. The tree is the `total_tokens` best nodes overall — closed
     under ancestors since scores only fall along a path (ties broken towards shallower nodes)."""
 
-    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60):
+    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60, tuner=None):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
         super().__init__(model)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.tuner = tuner  # a TreeSizeTuner: verify only as many of the total_tokens candidates as pay (None: all)
         self.max_tree_size = total_tokens + 1
 
     @torch.no_grad()
@@ -187,8 +188,5 @@ class DynamicTreeProposer(DraftModelProposer):
                                 position_ids=torch.tensor([[past - 1 + depth] * len(frontier)])).logits[0]  # [F, V]
             fed_order += frontier
         self.cache.crop(-len(fed_order))  # rollback: drop the tree nodes, keep the committed prefix
-        keep = sorted(range(len(nodes)), key=lambda c: (-nodes[c][0], nodes[c][1]))[: self.total_tokens]
-        keep = sorted(keep, key=lambda c: (nodes[c][1], c))  # breadth-first: parents before children
-        index = {-1: 0, **{c: i + 1 for i, c in enumerate(keep)}}
-        shape = tree_from_parents([-1] + [index[nodes[c][2]] for c in keep])
+        shape, keep, self.node_probs = select_dynamic_tree(nodes, self.total_tokens, self.tuner)
         return shape, torch.tensor([committed[-1]] + [nodes[c][3] for c in keep])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from data.assets import load_target
 from data.io import SpecdrafterError
-from inference.autotune import BlockLengthTuner
+from inference.autotune import BlockLengthTuner, TreeSizeTuner
 from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from inference.eagle import EagleProposer, EagleTreeProposer, load_eagle1, load_eagle3
 from inference.medusa import MedusaProposer, MedusaTreeProposer, check_heads_fit, load_medusa, typical_generate
@@ -55,6 +55,11 @@ def block_length(inference: DictConfig) -> Union[int, BlockLengthTuner]:
     return BlockLengthTuner(inference.k_max) if inference.k == "auto" else inference.k
 
 
+def tree_size(dynamic_tree: DictConfig) -> Optional[TreeSizeTuner]:
+    """The tuner that sizes every dynamic tree (inference.dynamic_tree.auto_size), or None: verify all total_tokens."""
+    return TreeSizeTuner(dynamic_tree.total_tokens) if dynamic_tree.auto_size else None
+
+
 def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
     """The draft *model* of a self_draft / draft_model recipe (also used as HF's `assistant_model`)."""
     if cfg.drafter.kind.value == "self_draft":
@@ -83,7 +88,9 @@ def build_proposer(cfg: DictConfig, target):
         head = (load_eagle3 if kind == "eagle3" else load_eagle1)(_drafter_path(cfg), target.dtype)
         if inf.tree:
             raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use inference.dynamic_tree.total_tokens")
-        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens) if dyn.total_tokens else EagleProposer(head, target)
+        if not dyn.total_tokens:
+            return EagleProposer(head, target)
+        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
     if kind == "medusa":
         heads = load_medusa(_drafter_path(cfg), target.dtype)
         check_heads_fit(heads, target)
@@ -96,7 +103,7 @@ def build_proposer(cfg: DictConfig, target):
     if inf.tree:
         return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
     if dyn.total_tokens:
-        return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens)
+        return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
     return DraftModelProposer(draft)
 
 

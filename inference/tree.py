@@ -84,6 +84,24 @@ def tree_from_parents(parents: Sequence[int]) -> TreeShape:
     return TreeShape(tuple(parents), tuple(choices))
 
 
+def select_dynamic_tree(nodes: Sequence[Tuple[float, int, int, int]], total_tokens: int,
+                        tuner=None) -> Tuple[TreeShape, List[int], torch.Tensor]:
+    """The tree to verify from EAGLE-2 candidates `nodes` = [(score, depth, parent candidate or −1, token)], score =
+    cumulative draft log-prob: the `total_tokens` best by score — closed under ancestors since scores only fall
+    along a path (ties go to shallower nodes) — or the first n of them that a `TreeSizeTuner` chooses.
+    Returns (shape, the kept candidates in tree order = breadth-first, q [N+1]: each node's conditional draft
+    probability, 1 for the root)."""
+    ranked = sorted(range(len(nodes)), key=lambda c: (-nodes[c][0], nodes[c][1]))[:total_tokens]
+    rank = {-1: -1, **{c: i for i, c in enumerate(ranked)}}
+    parent_score = lambda c: nodes[nodes[c][2]][0] if nodes[c][2] >= 0 else 0.0  # noqa: E731
+    q = torch.tensor([nodes[c][0] - parent_score(c) for c in ranked], dtype=torch.float64).exp()  # [m]
+    n = tuner.choose([rank[nodes[c][2]] for c in ranked], q) if tuner is not None else len(ranked)
+    keep = sorted(ranked[:n], key=lambda c: (nodes[c][1], c))  # breadth-first: parents before children
+    index = {-1: 0, **{c: i + 1 for i, c in enumerate(keep)}}
+    shape = tree_from_parents([-1] + [index[nodes[c][2]] for c in keep])
+    return shape, keep, torch.cat([torch.ones(1, dtype=torch.float64), q[[rank[c] for c in keep]]])
+
+
 def cartesian_choices(top_k: Sequence[int]) -> List[List[int]]:
     """Full Cartesian tree: top_k[d] children for every node at depth d (e.g. [3, 2] → 3 + 6 nodes)."""
     out, frontier = [], [[]]

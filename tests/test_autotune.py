@@ -10,9 +10,9 @@ from scipy.stats import chisquare
 from transformers import LlamaForCausalLM
 
 from conftest import tiny_llama_config
-from inference.autotune import BlockLengthTuner, expected_tokens
-from inference.generate import speculative_generate
-from inference.proposers import DraftModelProposer
+from inference.autotune import BlockLengthTuner, TreeSizeTuner, expected_tokens
+from inference.generate import speculative_generate, tree_speculative_generate
+from inference.proposers import DraftModelProposer, DynamicTreeProposer
 from inference.sampling import SamplingParams
 
 
@@ -120,4 +120,111 @@ def test_changing_k_every_cycle_still_samples_from_the_target():
             probs[(a, b, c)] = float(logits[0, a] * logits[1, b] * logits[2, c])
     expected = np.array([probs[s] for s in seqs]) * n
     observed = np.array([counts.get(s, 0) for s in seqs], dtype=float)
+    assert chisquare(observed, expected).pvalue > 1e-4
+
+
+# ------------------------------------------------------------------------------------------ tree size
+def tree_tuner_with(a_of_q, c, v, max_nodes):
+    """A tree tuner that has 'seen' enough cycles to know acceptance a(q) (per bin centre) and draft cost c."""
+    t = TreeSizeTuner(max_nodes)
+    centres = [(lo + hi) / 2 for lo, hi in zip((0.0,) + t.EDGES, t.EDGES + (1.0,))]
+    t.tried = torch.full((len(centres),), 1e6, dtype=torch.float64)
+    t.accepted = torch.tensor([1e6 * a_of_q(x) for x in centres], dtype=torch.float64)
+    t.step_s, t.v, t.draft_s, t.cycles = 1.0, v, c * 10, 10
+    return t
+
+
+def random_candidates(gen, m):
+    """m candidates in draft-score order: parents earlier (or −1), conditional probabilities q."""
+    parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(1, m)]
+    return parents, torch.rand(m, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("slope,c", [(0.0, 0.1), (0.05, 0.3), (0.3, 0.1), (1.0, 0.5)])
+def test_tree_size_choice_maximises_the_predicted_speedup(slope, c):
+    gen = torch.Generator().manual_seed(int(slope * 100 + c * 10))
+    v = {n: 1 + slope * (n - 1) for n in (1, 2, 3, 4, 6, 8, 12, 16, 21)}
+    tuner = tree_tuner_with(lambda q: 0.8 * q, c, v, max_nodes=20)
+    parents, q = random_candidates(gen, 20)
+    a = tuner.acceptance(q)
+
+    def reach(i):  # P̂(candidate i on the accepted path), walking up to the root
+        return float(a[i]) * (reach(parents[i]) if parents[i] >= 0 else 1.0)
+
+    def cost(n):  # v(n) linear between measured sizes
+        lo, hi = max(m for m in v if m <= n), min(m for m in v if m >= n)
+        return v[lo] if lo == hi else v[lo] + (v[hi] - v[lo]) * (n - lo) / (hi - lo)
+
+    brute = [(1 + sum(reach(i) for i in range(n))) / (cost(n + 1) + c) for n in range(1, 21)]
+    assert tuner.predicted_speedups(parents, q) == pytest.approx(brute, rel=1e-9)
+    brute = 1 + int(np.argmax(brute))
+    assert tuner.choose(parents, q) == brute
+    if slope == 0.0:
+        assert brute == 20  # free verification: every candidate with any chance is worth verifying
+    if slope == 1.0:
+        assert brute <= 2  # each token costs a full target step: only the likeliest few pay
+
+
+def test_tree_size_update_counts_the_children_of_the_accepted_path():
+    t = TreeSizeTuner(8, prior=0.0)
+    t.tried[:], t.accepted[:] = 0, 0
+    parents = [-1, 0, 0, 1, 1, 3]  # root → {1, 2}; 1 → {3, 4}; 3 → {5}
+    q = torch.tensor([1.0, 0.95, 0.03, 0.55, 0.15, 0.45], dtype=torch.float64)
+    t.update(parents, q, accepted_nodes=[1, 3], draft_s=0.2)  # path 0 → 1 → 3; 5 tried and rejected
+    bins = lambda x: int(torch.bucketize(torch.tensor(x, dtype=torch.float64), t.edges))  # noqa: E731
+    tried = {bins(x): 0 for x in (0.95, 0.03, 0.55, 0.15, 0.45)}
+    for x in (0.95, 0.03, 0.55, 0.15, 0.45):
+        tried[bins(x)] += 1
+    assert {i: int(n) for i, n in enumerate(t.tried) if n} == tried
+    assert {i: int(n) for i, n in enumerate(t.accepted) if n} == {bins(0.95): 1, bins(0.55): 1}
+    assert t.cycles == 1 and TreeSizeTuner(8).choose([-1, 0, 0], q[:3]) == 3  # nothing measured: all candidates
+
+
+def test_auto_sized_trees_decode_greedy_exactly_and_learn(pair):
+    target, draft = pair
+    tuner = TreeSizeTuner(12)
+    proposer = DynamicTreeProposer(draft, depth=4, top_k=3, total_tokens=12, tuner=tuner)
+    sizes = set()
+    for prompt in ([5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8]):
+        result = tree_speculative_generate(target, proposer, prompt, 30, SamplingParams(0.0), [2])
+        reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, eos_token_id=[2],
+                                    pad_token_id=2)[0, len(prompt):].tolist()
+        assert result.tokens == reference
+        sizes.update(c.size for c in result.cycles)
+    assert tuner.calibrated and max(tuner.v) == 13 and tuner.cycles > 5
+    assert float(tuner.tried.sum()) > 2 * len(tuner.EDGES) + 10  # learnt beyond the prior
+    assert len(sizes) > 1  # the tree size changed between cycles
+
+
+class CyclingTree(TreeSizeTuner):
+    """A tree-size policy that verifies 1, 2, 3, 4, 1, … of the candidates, from past cycles only."""
+
+    def choose(self, parents, q):
+        return min(len(parents), 1 + self.cycles % 4)
+
+
+def test_changing_tree_size_every_cycle_still_samples_from_the_target():
+    """First two tokens at T = 1 of a dynamic tree whose size changes every cycle vs the target (χ², 1e-4)."""
+    torch.manual_seed(0)
+    V = 8
+    target = LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=1, hidden_size=16, intermediate_size=32)).eval()
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=1, hidden_size=16, intermediate_size=32)).eval()
+    prompt, n = [3, 5], 1500
+    tuner = CyclingTree(4)
+    tuner.v = {1: 1.0}  # calibrated (the policy ignores costs)
+    proposer = DynamicTreeProposer(draft, depth=2, top_k=2, total_tokens=4, tuner=tuner)
+    gen = torch.Generator().manual_seed(0)
+    counts, sizes = Counter(), Counter()
+    for _ in range(n):
+        r = tree_speculative_generate(target, proposer, prompt, 2, SamplingParams(1.0), generator=gen)
+        counts[tuple(r.tokens)] += 1
+        sizes.update(c.size for c in r.cycles)
+    assert set(sizes) == {2, 3, 4, 5}
+    with torch.no_grad():
+        first = target(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+        seconds = target(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double().softmax(-1)
+    cells = [(a, b) for a in range(V) for b in range(V)]
+    expected = np.array([float(first[a] * seconds[a, b]) for a, b in cells]) * n
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
     assert chisquare(observed, expected).pvalue > 1e-4

@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 
 from data.features import capture_features
 from data.io import SpecdrafterError
+from inference.autotune import TreeSizeTuner
 from inference.eagle import (
     Eagle3Head,
     EagleProposer,
@@ -256,9 +257,11 @@ def test_greedy_chain_is_token_identical_to_target_generate(request, target, ref
         assert max(accepted) == k and (k == 1 or any(0 < a < k for a in accepted))
 
 
-@pytest.mark.parametrize("head", ["mimic_head", "random_head"])
-def test_greedy_tree_is_token_identical_to_target_generate(request, target, references, head):
-    proposer = CheckedTree(request.getfixturevalue(head), target, depth=4, top_k=4, total_tokens=12)
+@pytest.mark.parametrize("head, sized", [("mimic_head", False), ("random_head", False), ("mimic_head", True)])
+def test_greedy_tree_is_token_identical_to_target_generate(request, target, references, head, sized):
+    """Also with the tree size chosen every cycle (TreeSizeTuner): whatever part of the tree is verified."""
+    proposer = CheckedTree(request.getfixturevalue(head), target, depth=4, top_k=4, total_tokens=12,
+                           tuner=TreeSizeTuner(12) if sized else None)
     accepted = []
     for prompt, reference in zip(PROMPTS, references):
         result = tree_speculative_generate(target, proposer, prompt, NEW, GREEDY, EOS)

@@ -156,6 +156,22 @@ def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
         assert c["mean_tv"] is None and c["best_k"] is None
 
 
+def test_auto_sized_dynamic_tree_cells(tmp_path, tiny_target, run_dir):
+    """A dynamic tree sized every cycle: v(n) measured on the tuner's grid, the mean size reported, and the
+    prediction priced at the sizes actually verified (between the cheapest and the whole tree)."""
+    out = tmp_path / "eval"
+    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.verifiers=[tree]",
+                         "eval.k_sweep=[]", "inference.dynamic_tree.total_tokens=10", "inference.dynamic_tree.depth=3",
+                         "inference.dynamic_tree.top_k=3", f"eval.checkpoint={run_dir}/checkpoints/step-000004"))
+    data = json.loads((out / "results.json").read_text())
+    v = {int(n): x for n, x in data["machine"]["v"].items()}
+    assert {1, 2, 3, 4, 6, 8, 11} <= set(v)
+    (c,) = data["cells"]
+    assert c["tree_size"] == 11 and 2 <= c["mean_tree_size"] <= 11
+    assert c["tau"] / (max(v.values()) + c["c"]) <= c["predicted_speedup"] <= c["tau"] / (min(v.values()) + c["c"])
+    assert "tree 11" in (out / "report.md").read_text()
+
+
 def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
     """A smoke run of the side-by-side benchmark (numbers on tiny models mean nothing; the columns must exist)."""
     from eval import bench_decode
