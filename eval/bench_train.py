@@ -3,20 +3,32 @@ computes features and logits in the step) and offline (features from the data jo
 of the target's own forward pass over the same batch — interleaved, medians of repeats, one process.
 
     python -m eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
+
+With `--ranks 1 2` it instead runs the real launcher, `deepspeed --num_accelerators N launch/train_<kind>.py`
+(DS_ACCELERATOR=cpu here; the machine's cores split evenly between the ranks), for `--steps` optimizer steps at
+each N, and reports the training tokens/s of the last step's record (evaluation and checkpointing come after it),
+scaling over 1 rank, and the wall time of each launch:
+
+    python -m eval.bench_train recipes/smollm2-135m-eagle3.yaml --ranks 1 2 --steps 12 [--out runs/bench-train]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from data.assets import load_target
-from data.io import SpecdrafterError
+from data.io import SpecdrafterError, atomic_write_json
 from data.recipe import load_recipe
 from train.batches import TrainingData
 from train.drafters import build_drafter, needed_layers, run_target
@@ -29,7 +41,17 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", help="run the DeepSpeed launcher at these world sizes instead")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per launch (--ranks)")
+    parser.add_argument("--out", default="runs/bench-train", help="run folders and bench_train_ranks.json (--ranks)")
     args = parser.parse_args(argv)
+    if args.ranks:
+        try:
+            report = ranks_benchmark(args.recipe, args.overrides, args.ranks, args.steps, Path(args.out))
+        except SpecdrafterError as e:
+            sys.exit(f"error: {e}")
+        print(json.dumps(report, indent=2))
+        return
     try:
         cfg = load_recipe(args.recipe, args.overrides)
         t = cfg.train
@@ -71,6 +93,51 @@ def main(argv=None):
               "online_step_over_target_forward": round(median["online_step"] / median["target_forward"], 3),
               "offline_step_over_target_forward": round(median["offline_step"] / median["target_forward"], 3)}
     print(json.dumps(report, indent=2))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LAUNCHERS = {"eagle3": "train_eagle.py", "eagle1": "train_eagle.py", "medusa": "train_medusa.py",
+             "draft_model": "train_draft.py"}
+
+
+def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dict:
+    """Training tokens/s of the real DeepSpeed launch at each world size, one launch after another."""
+    cfg = load_recipe(recipe, overrides)  # checks the recipe and the overrides before any launch
+    launcher = Path(__file__).resolve().parents[1] / "launch" / LAUNCHERS.get(cfg.drafter.kind.value, "train_draft.py")
+    cores = os.cpu_count() or 1
+    runs = {}
+    for n in ranks:
+        run_dir = out / f"ranks-{n}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, cores // n)))
+        deepspeed = Path(sys.executable).with_name("deepspeed")  # the launcher of this interpreter's environment
+        cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--num_accelerators", str(n),
+               "--master_port", str(_free_port()), str(launcher), recipe, *overrides, f"output_dir={run_dir}",
+               f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.save_every={steps}",
+               "train.decode_check_every=0", "train.wandb.mode=disabled"]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        metrics = run_dir / "metrics.jsonl"
+        if done.returncode != 0 or not metrics.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise SpecdrafterError(f"the {n}-rank launch failed (exit {done.returncode}): {tail[0]}")
+        last = json.loads(metrics.read_text().splitlines()[-1])
+        runs[n] = {"tokens_per_s": round(last["tokens_per_s"], 1), "wall_s": round(wall, 1),
+                   "threads_per_rank": int(env["OMP_NUM_THREADS"])}
+    base = runs[ranks[0]]["tokens_per_s"]
+    report = {"drafter": cfg.drafter.kind.value, "features": cfg.train.features.value, "steps": steps,
+              "micro_batch_size_per_rank": cfg.train.micro_batch_size, "zero_stage": cfg.train.zero_stage,
+              "ranks": {str(n): {**r, f"speedup_over_{ranks[0]}_rank": round(r["tokens_per_s"] / base, 3)}
+                        for n, r in runs.items()}}
+    atomic_write_json(out / "bench_train_ranks.json", report)
+    return report
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ rerun after a crash skips them. The report (report.md + plots) is rebuilt from r
 results.json (schema 1):
     {"schema": 1, "target": str, "drafter": kind, "settings": {...the eval knobs the numbers depend on...},
      "machine": {"target_step_s": seconds of one target decode step, "v": {"n": target pass over n tokens ÷ one}},
-     "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs"}},   target-only HF generate
+     "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs", "target_step_s"}},   target-only
+                                  HF generate, and the target step measured around it
      "cells": [{"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tree_size", "asd",
-                "prompts", "tokens", "target_passes", "seconds", "tokens_per_s", "speedup",   (over the baseline)
+                "prompts", "tokens", "target_passes", "seconds", "tokens_per_s",
+                "target_step_s",  one target step measured around the cell (the machine's speed at the time)
+                "speedup",        over the baseline, drift-corrected: tok/s ÷ (baseline tok/s × baseline step ÷ cell step)
+                "speedup_uncorrected",   tok/s ÷ baseline tok/s as measured (cells run minutes apart)
                 "tau",            tokens per target pass, bonus included
                 "alpha",          accepted drafts / draft positions tried
                 "per_position",   P(draft j accepted | drafts 1..j−1 accepted), j = 1..k (trees: by depth)
@@ -217,8 +221,14 @@ def run_eval(cfg: DictConfig) -> Path:
             loaded.clear()  # one checkpoint's proposers in memory at a time
             loaded[ckpt.name] = _proposers(cfg, ckpt, target, verifiers)
         serving, chain, tree = loaded[ckpt.name]
-        cell = _run_cell(cfg, p, serving, chain, tree, prompts[p["set"]], eos, machine["target_step_s"], v, out, tokenizer)
-        cell["speedup"] = round(cell["tokens_per_s"] / results.data["baselines"][base_id]["tokens_per_s"], 3)
+        before = target_step(target, prompts[p["set"]][0])
+        cell = _run_cell(cfg, p, serving, chain, tree, prompts[p["set"]], eos, before, v, out, tokenizer)
+        cell["target_step_s"] = round((before + target_step(target, prompts[p["set"]][0])) / 2, 5)
+        base = results.data["baselines"][base_id]
+        cell["speedup_uncorrected"] = round(cell["tokens_per_s"] / base["tokens_per_s"], 3)
+        # the baseline's speed had the machine run as fast as during this cell (uniform drift: speeds ∝ 1 / step)
+        drift = base["target_step_s"] / cell["target_step_s"] if base.get("target_step_s") else 1.0
+        cell["speedup"] = round(cell["tokens_per_s"] / (base["tokens_per_s"] * drift), 3)
         cell["answer_accuracy"] = answer_accuracy(out / cell["outputs"], sets[p["set"]])
         if cell["predicted_speedup"]:
             cell["measured_over_predicted"] = round(cell["speedup"] / cell["predicted_speedup"], 3)
@@ -282,10 +292,18 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     return serving, build_proposer(chain, serving), tree
 
 
+def target_step(target, prompt: List[int]) -> float:
+    """Seconds of one target decode step right now (median of 5): the yardstick that corrects speeds measured
+    minutes apart for the machine's drift."""
+    return step_costs(target, prompt, [1], repeats=5)[1]
+
+
 @torch.no_grad()
 def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base_id: str, tokenizer) -> dict:
-    """Target-only decoding of the same prompts with HF `generate`: the speed every speedup is measured against."""
+    """Target-only decoding of the same prompts with HF `generate`: the speed every speedup is measured against,
+    with the target step measured around it."""
     sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
+    before = target_step(target, prompts[0])
     tokens, seconds, rows = 0, 0.0, []
     for i, prompt in enumerate(prompts):
         torch.manual_seed(i)
@@ -297,7 +315,9 @@ def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base
         rows.append({"tokens": ids, "text": tokenizer.decode(ids, skip_special_tokens=True)})
     name = f"outputs/baseline-{_slug(base_id)}.jsonl"
     atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "outputs": name}
+    step = (before + target_step(target, prompts[0])) / 2
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "outputs": name,
+            "target_step_s": round(step, 5)}
 
 
 def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Dict[int, float], out: Path,

@@ -106,6 +106,11 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
                 "tokens_per_s", "speedup", "tau", "alpha", "per_position", "mean_tv", "alpha_tv_gap", "c",
                 "predicted_speedup", "best_k", "outputs"} <= set(c)
         assert c["tau"] == pytest.approx(c["tokens"] / c["target_passes"], abs=1e-3)
+        base = data["baselines"][f"{c['set']}|T={c['temperature']}"]
+        assert c["target_step_s"] > 0 and base["target_step_s"] > 0  # the machine's speed at each measurement
+        drift = base["target_step_s"] / c["target_step_s"]
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / (base["tokens_per_s"] * drift), rel=5e-3, abs=2e-3)
+        assert c["speedup_uncorrected"] == pytest.approx(c["tokens_per_s"] / base["tokens_per_s"], rel=5e-3, abs=2e-3)
         assert len(c["per_position_n"]) == len(c["per_position"]) and c["per_position_n"][0] == c["target_passes"]
         assert 0 <= c["alpha"] <= 1 and c["c"] > 0
         assert len(c["per_position"]) == c["k"] if c["k"] != "auto" else len(c["per_position"]) >= c["k_used"]

@@ -315,6 +315,22 @@ def test_deepspeed_two_ranks_train_and_the_loss_falls(kind, deepspeed_run):
     assert records[-1]["alpha/mean"] > records[0]["alpha/mean"], [r["alpha/mean"] for r in records]
 
 
+def test_ranks_benchmark_reports_the_launchers_training_speed(tmp_path, peaky_target, data_dir, monkeypatch):
+    """`python -m eval.bench_train --ranks 1` runs the real DeepSpeed launcher and reads its tokens/s back."""
+    from eval.bench_train import ranks_benchmark
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    report = ranks_benchmark(str(REPO / "recipes" / "smollm2-135m-eagle3.yaml"),
+                             [f"target.model={peaky_target}", f"train.data_dir={data_dir}", *TINY], [1], 2, tmp_path)
+    run = report["ranks"]["1"]
+    assert report["drafter"] == "eagle3" and run["tokens_per_s"] > 0 and run["speedup_over_1_rank"] == 1.0
+    assert [r["step"] for r in metrics(tmp_path / "ranks-1")] == [2]  # evaluated once, at the end
+    assert json.loads((tmp_path / "bench_train_ranks.json").read_text()) == report
+    with pytest.raises(SpecdrafterError, match="1-rank launch failed"):
+        ranks_benchmark(str(REPO / "recipes" / "smollm2-135m-eagle3.yaml"),
+                        [f"target.model={peaky_target}", f"train.data_dir={tmp_path / 'nothing'}", *TINY], [1], 2, tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "draft_model", "medusa"])
 def test_trained_drafter_reloads_with_the_logged_acceptance_and_decodes_like_the_target(
         kind, deepspeed_run, peaky_target, data_dir, target, smollm2_tokenizer):
