@@ -51,6 +51,8 @@ class Arm:
     greedy_only: bool = False
     runs: Dict[float, List[tuple]] = field(default_factory=dict)  # temperature → [(tokens, seconds)] per repeat
     cycles: Dict[float, list] = field(default_factory=dict)
+    outputs: Dict[float, list] = field(default_factory=dict)  # temperature → new tokens per prompt (first repeat)
+    regret: Dict[float, float] = field(default_factory=dict)  # temperature → ASD regret summed over the prompts
 
 
 def build_arms(cfg, args, target, eos) -> List[Arm]:
@@ -152,8 +154,11 @@ def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float]
                     tokens = out.tokens if isinstance(out, GenerationResult) else out
                     totals[a.name][0] += len(tokens)
                     totals[a.name][1] += seconds
+                    if r == 0:
+                        a.outputs.setdefault(t, []).append(tokens)
                     if isinstance(out, GenerationResult) and r == 0:
                         a.cycles.setdefault(t, []).extend(out.cycles)
+                        a.regret[t] = a.regret.get(t, 0.0) + out.asd_regret
             for a in active:
                 a.runs.setdefault(t, []).append(tuple(totals[a.name]))
             print(f"T={t:g} repeat {r + 1}/{repeats}: " + ", ".join(
@@ -185,6 +190,12 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
                 row.update(tau=round(tokens / len(cs), 3), alpha=round(alpha, 3), c=round(c, 3),
                            predicted_speedup=round(predicted, 3), measured_over_predicted=round(speed / base / predicted, 3),
                            verifier_per_token_vs_target_step=round(sum(x.verifier_s for x in cs) / tokens / one, 4))
+            strict = next((b for b in arms if b.name == a.name.replace("_asd", "_chain")), None)
+            if a.name.endswith("_asd") and strict is not None and t in strict.outputs:  # ASD is lossy: what it cost
+                pairs = list(zip(a.outputs[t], strict.outputs[t]))
+                row.update(asd_regret_per_prompt=round(a.regret[t] / len(pairs), 3),
+                           outputs_differing=f"{sum(x != y for x, y in pairs)}/{len(pairs)}",
+                           vs_strict=round(speed / statistics.median(n / s for n, s in strict.runs[t]) - 1, 3))
             rows.append(row)
     return rows
 
@@ -198,6 +209,12 @@ def markdown(rows: List[dict], header: str) -> str:
         lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
                      f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
                      f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
+    asd = [r for r in rows if "asd_regret_per_prompt" in r]
+    if asd:
+        lines += ["", "ASD (lossy) against strict greedy with the same drafter and block length:", "",
+                  "| arm | tok/s vs strict | regret / prompt | outputs differing |", "|---|---|---|---|"]
+        lines += [f"| {r['arm']} | {r['vs_strict']:+.1%} | {r['asd_regret_per_prompt']} | {r['outputs_differing']} |"
+                  for r in asd]
     return "\n".join(lines) + "\n"
 
 
@@ -235,6 +252,7 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--arms", nargs="+", help="only these arms (names as in the table; the target always runs)")
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args(argv)
     try:
@@ -243,6 +261,10 @@ def main(argv=None):
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos)
         arms = build_arms(cfg, args, target, eos)
+        unknown = sorted(set(args.arms or []) - {a.name for a in arms})
+        if unknown:
+            raise SpecdrafterError(f"--arms: no arm {unknown[0]!r} with these drafters (arms: {', '.join(a.name for a in arms)})")
+        arms = [a for a in arms if a.name == "target" or not args.arms or a.name in args.arms]
         records = [r for name in args.sets for r in load_prompt_set(name)[: args.prompts]]
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -116,9 +117,14 @@ class TreeSizeTuner:
     E[tokens | n] = 1 + Σ_{i≤n} P̂_i per cycle at a cost of v(n+1) + c target steps (c: draft seconds per cycle ÷
     one target step, v interpolated between measured sizes). `choose` returns the n that maximises the ratio.
 
-    Exactness is untouched: n depends on past cycles and on the current draft only — the tree is still a
-    deterministic function of the context, which is what the exact tree verifiers require.
+    Drafting depth follows: `draft_depth` drafts one level below the deepest node verified in the last
+    `RECENT` cycles (so the tree can grow back), and c is the mean draft time of those cycles.
+
+    Exactness is untouched: n and the depth depend on past cycles and on the current draft only — the tree is
+    still a deterministic function of the context, which is what the exact tree verifiers require.
     """
+
+    RECENT = 8
 
     EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # bin upper edges of q; the last bin ends at 1
 
@@ -128,7 +134,8 @@ class TreeSizeTuner:
         lower, upper = (0.0,) + self.EDGES, self.EDGES + (1.0,)
         self.accepted = torch.tensor([prior * (lo + hi) / 2 for lo, hi in zip(lower, upper)], dtype=torch.float64)
         self.tried = torch.full((len(upper),), prior, dtype=torch.float64)
-        self.draft_s, self.cycles = 0.0, 0
+        self.cycles = 0
+        self.recent: Deque[Tuple[int, float]] = deque(maxlen=self.RECENT)  # (deepest verified node, draft seconds)
         self.v: Dict[int, float] = {}
         self.step_s = 0.0
         if step_costs and 1 in step_costs and max(step_costs) >= max_nodes + 1:
@@ -168,7 +175,7 @@ class TreeSizeTuner:
         reach: List[float] = []
         for i, parent in enumerate(parents[: self.max_nodes]):
             reach.append((reach[parent] if parent >= 0 else 1.0) * a[i])  # P̂(candidate i on the accepted path)
-        c = self.draft_s / self.cycles / self.step_s
+        c = sum(seconds for _, seconds in self.recent) / len(self.recent) / self.step_s
         gain = 1.0 + torch.tensor(reach, dtype=torch.float64).cumsum(0)  # [m] E[tokens | n = 1..m]
         return [float(gain[n - 1]) / (self.cost(n + 1) + c) for n in range(1, len(reach) + 1)]
 
@@ -181,5 +188,12 @@ class TreeSizeTuner:
             bins = torch.bucketize(q[tried].to(torch.float64), self.edges)
             self.tried.index_add_(0, bins, torch.ones(len(tried), dtype=torch.float64))
             self.accepted.index_add_(0, bins, torch.tensor([float(i in on_path) for i in tried], dtype=torch.float64))
-        self.draft_s += draft_s
+        depth = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        self.recent.append((max(depth), draft_s))
         self.cycles += 1
+
+    def draft_depth(self, limit: int) -> int:
+        """How many levels to draft next: one below the deepest node verified lately, at most `limit`."""
+        return min(limit, 1 + max(d for d, _ in self.recent)) if self.recent else limit

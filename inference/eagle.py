@@ -348,7 +348,8 @@ class EagleTreeProposer(EagleProposer):
         frontier, fed_ancestry = [-1], {-1: []}
         outputs = {-1: hidden[0]}  # output hidden state [d] of each fed node: its children's input
         fed_order: list[int] = []  # candidate ids in the order they were fed to the head
-        for depth in range(1, self.depth + 1):
+        levels = self.tuner.draft_depth(self.depth) if self.tuner is not None else self.depth
+        for depth in range(1, levels + 1):
             logp = self.head.logits(hidden).log_softmax(-1)  # [F, Vd] one row per frontier node
             top = logp.topk(self.top_k, dim=-1)
             children = []
@@ -357,7 +358,7 @@ class EagleTreeProposer(EagleProposer):
                 for lp, index in zip(top.values[row].tolist(), top.indices[row].tolist()):
                     nodes.append((base + lp, depth, parent, index))
                     children.append(len(nodes) - 1)
-            if depth == self.depth:
+            if depth == levels:
                 break
             frontier = sorted(children, key=lambda c: -nodes[c][0])[: self.top_k]
             # feed the new frontier: each node sees the committed pairs, its fed ancestors and itself

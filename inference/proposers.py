@@ -164,7 +164,8 @@ class DynamicTreeProposer(DraftModelProposer):
         nodes: List[Tuple[float, int, int, int]] = []
         frontier, fed_ancestry = [-1], {-1: []}
         fed_order: List[int] = []  # candidate ids in the order they were fed to the draft
-        for depth in range(1, self.depth + 1):
+        levels = self.tuner.draft_depth(self.depth) if self.tuner is not None else self.depth
+        for depth in range(1, levels + 1):
             logp = logits.log_softmax(-1)  # [F, V] one row per frontier node
             top = logp.topk(self.top_k, dim=-1)
             children = []
@@ -173,7 +174,7 @@ class DynamicTreeProposer(DraftModelProposer):
                 for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
                     nodes.append((base + lp, depth, parent, token))
                     children.append(len(nodes) - 1)
-            if depth == self.depth:
+            if depth == levels:
                 break
             frontier = sorted(children, key=lambda c: -nodes[c][0])[: self.top_k]
             # feed the new frontier: each node sees the committed past and its own fed ancestors

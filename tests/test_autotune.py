@@ -130,7 +130,8 @@ def tree_tuner_with(a_of_q, c, v, max_nodes):
     centres = [(lo + hi) / 2 for lo, hi in zip((0.0,) + t.EDGES, t.EDGES + (1.0,))]
     t.tried = torch.full((len(centres),), 1e6, dtype=torch.float64)
     t.accepted = torch.tensor([1e6 * a_of_q(x) for x in centres], dtype=torch.float64)
-    t.step_s, t.v, t.draft_s, t.cycles = 1.0, v, c * 10, 10
+    t.step_s, t.v, t.cycles = 1.0, v, 10
+    t.recent.extend([(3, c)] * t.RECENT)
     return t
 
 
@@ -178,6 +179,8 @@ def test_tree_size_update_counts_the_children_of_the_accepted_path():
     assert {i: int(n) for i, n in enumerate(t.tried) if n} == tried
     assert {i: int(n) for i, n in enumerate(t.accepted) if n} == {bins(0.95): 1, bins(0.55): 1}
     assert t.cycles == 1 and TreeSizeTuner(8).choose([-1, 0, 0], q[:3]) == 3  # nothing measured: all candidates
+    assert list(t.recent) == [(3, 0.2)]  # the deepest verified node (5, depth 3) and the draft time
+    assert t.draft_depth(5) == 4 and t.draft_depth(2) == 2 and TreeSizeTuner(8).draft_depth(5) == 5
 
 
 def test_auto_sized_trees_decode_greedy_exactly_and_learn(pair):
