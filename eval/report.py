@@ -46,7 +46,12 @@ def write_report(data: dict, out: Path) -> Path:
         lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
             ("checkpoint", "checkpoint"), ("step", "step"), ("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
             ("α", "alpha"), ("τ", "tau"), ("speedup", "speedup")]), ""]
-    sweep = sorted([c for c in cells if c["sweep"]], key=lambda c: (c["k"] == "auto", c["k"] if c["k"] != "auto" else 0))
+    sweep = [c for c in cells if c["sweep"]]
+    if sweep:  # the auto cell is planned once: as a main cell when inference.k is auto, so fetch it from there
+        ref = sweep[0]
+        sweep += [c for c in cells if not c["sweep"] and c["k"] == "auto" and c["verifier"] == "chain" and
+                  (c["checkpoint"], c["set"], c["temperature"]) == (ref["checkpoint"], ref["set"], ref["temperature"])]
+    sweep = sorted(sweep, key=lambda c: (c["k"] == "auto", c["k"] if c["k"] != "auto" else 0))
     if sweep:
         lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", _table(sweep, [
             ("k", _shape), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), ("measured speedup", "speedup"),
@@ -158,7 +163,8 @@ def _plot_sweep(sweep: List[dict], data: dict, out: Path):
     ref = sweep[0]  # the formula's inputs from the sweep's cells: mean α and c
     alpha = sum(c["alpha"] for c in sweep) / len(sweep)
     c_cost = sum(c["c"] for c in sweep) / len(sweep)
-    ks = [k for k in range(1, max(v)) if k + 1 in v]
+    longest = max([c["k"] for c in fixed] + [c.get("k_used") or 1 for c in sweep]) + 2  # v(n) may go on for trees
+    ks = [k for k in range(1, min(max(v), longest + 1)) if k + 1 in v]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(ks, [predicted_speedup(alpha, k, c_cost, v[k + 1]) for k in ks], label=f"predicted (α={alpha:.2f}, c={c_cost:.2f})")
     ax.plot([c["k"] for c in fixed], [c["speedup"] for c in fixed], "o", label="measured, fixed k")
