@@ -173,7 +173,8 @@ def test_auto_sized_dynamic_tree_cells(tmp_path, tiny_target, run_dir):
     assert {1, 2, 3, 4, 6, 8, 11} <= set(v)
     (c,) = data["cells"]
     assert c["tree_size"] == 11 and 2 <= c["mean_tree_size"] <= 11
-    assert c["tau"] / (max(v.values()) + c["c"]) <= c["predicted_speedup"] <= c["tau"] / (min(v.values()) + c["c"])
+    low, high = (c["tau"] / (x + c["c"]) for x in (max(v.values()), min(v.values())))  # priced at the dearest / cheapest pass
+    assert low - 2e-3 <= c["predicted_speedup"] <= high + 2e-3  # (rounded to 3 decimals)
     assert "tree 11" in (out / "report.md").read_text()
 
 
