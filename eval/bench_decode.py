@@ -6,11 +6,13 @@ prompt on a fixed sample of MT-Bench, GSM8K and HumanEval first turns, repeated,
     python -m eval.bench_decode recipes/smollm2-135m-generate.yaml --draft-model runs/smollm2-135m/draft-tv/drafter \\
         --eagle3 runs/smollm2-135m/eagle3/drafter --medusa runs/smollm2-135m/medusa/drafter \\
         [--sets mtbench gsm8k humaneval] [--prompts 2] [--max-new-tokens 48] [--repeats 3] [--temperatures 0 1] [--out DIR]
+        [--arms eagle3_chain eagle3_asd ...]
 
 Without drafter flags the recipe's own drafter is benchmarked (chain, plus its tree when the recipe sets one).
 Per arm: tokens/s (median over repeats), speedup over target-only, τ, α, c (draft time per drafted token ÷ target
 step, measured inside the loop), the formula's predicted speedup from the measured α, c and v(n) (target pass over
-n tokens ÷ one, measured here), measured/predicted, and the verifier's time per token ÷ target step. Writes
+n tokens ÷ one, measured here), measured/predicted, and the verifier's time per token ÷ target step; for ASD also
+its regret per prompt, the outputs that differ from strict greedy and its speed against the strict arm. Writes
 bench_decode.json, bench_decode.md and bench_decode.png to --out.
 """
 
@@ -83,10 +85,16 @@ def build_arms(cfg, args, target, eos) -> List[Arm]:
                                                          eos, asd, g)
 
     def tree(proposer):
-        if getattr(proposer, "tuner", None) is not None:
-            proposer.tuner.calibrate(target, [1] * 16)  # before any timing
-        return lambda prompt, t, g: tree_speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t),
-                                                              eos, g)
+        sized = getattr(proposer, "tuner", None)  # an auto-sized dynamic tree: one tuner per temperature
+        if sized is not None:
+            sized.calibrate(target, [1] * 16)  # before any timing
+            costs, tuners = {n: x * sized.step_s for n, x in sized.v.items()}, {}
+
+        def run(prompt, t, generator):
+            if sized is not None:
+                proposer.tuner = tuners.setdefault(t, TreeSizeTuner(sized.max_nodes, step_costs=costs))
+            return tree_speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t), eos, generator)
+        return run
 
     def variant(kind, path, **inference):
         c = cfg.copy()
