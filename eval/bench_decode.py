@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ class Arm:
     runs: Dict[float, List[tuple]] = field(default_factory=dict)  # temperature → [(tokens, seconds)] per repeat
     cycles: Dict[float, list] = field(default_factory=dict)
     outputs: Dict[float, list] = field(default_factory=dict)  # temperature → new tokens per prompt (first repeat)
+    per_prompt: Dict[float, List[list]] = field(default_factory=dict)  # temperature → per repeat: [(tokens, seconds)]
     regret: Dict[float, float] = field(default_factory=dict)  # temperature → ASD regret summed over the prompts
 
 
@@ -153,6 +154,8 @@ def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float]
         active = [a for a in arms if not (a.greedy_only and t > 0)]
         for r in range(repeats):
             totals = {a.name: [0, 0.0] for a in active}
+            for a in active:
+                a.per_prompt.setdefault(t, []).append([None] * len(prompts))
             for i, prompt in enumerate(prompts):
                 for a in active[i % len(active):] + active[:i % len(active)]:
                     generator = torch.Generator().manual_seed(seed + i)
@@ -162,6 +165,7 @@ def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float]
                     tokens = out.tokens if isinstance(out, GenerationResult) else out
                     totals[a.name][0] += len(tokens)
                     totals[a.name][1] += seconds
+                    a.per_prompt[t][r][i] = (len(tokens), seconds)
                     if r == 0:
                         a.outputs.setdefault(t, []).append(tokens)
                     if isinstance(out, GenerationResult) and r == 0:
@@ -173,7 +177,16 @@ def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float]
                 f"{a.name} {totals[a.name][0] / totals[a.name][1]:.1f}" for a in active) + " tok/s", file=sys.stderr)
 
 
-def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, float]) -> List[dict]:
+def set_speed(arm: Arm, t: float, members: List[int]) -> float:
+    """tok/s of `arm` over the prompts `members` (one prompt set), median over repeats."""
+    return statistics.median(sum(run[i][0] for i in members) / sum(run[i][1] for i in members)
+                             for run in arm.per_prompt[t])
+
+
+def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, float],
+          sets: Optional[List[str]] = None) -> List[dict]:
+    """One row per arm and temperature; `sets` (the prompt set of each prompt) adds the speedup on each set."""
+    groups = {name: [i for i, x in enumerate(sets) if x == name] for name in dict.fromkeys(sets)} if sets else {}
     rows = []
     for t in temperatures:
         base = statistics.median(n / s for n, s in arms[0].runs[t])
@@ -183,6 +196,9 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
             speed = statistics.median(n / s for n, s in a.runs[t])
             row = {"temperature": t, "arm": a.name, "shape": a.shape, "tokens_per_s": round(speed, 2),
                    "speedup": round(speed / base, 3), "repeats": [round(n / s, 2) for n, s in a.runs[t]]}
+            if len(groups) > 1:
+                row["speedup_by_set"] = {name: round(set_speed(a, t, m) / set_speed(arms[0], t, m), 3)
+                                         for name, m in groups.items()}
             cs = a.cycles.get(t)
             if cs:
                 tokens = a.runs[t][0][0]
@@ -217,6 +233,13 @@ def markdown(rows: List[dict], header: str) -> str:
         lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
                      f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
                      f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
+    by_set = [r for r in rows if "speedup_by_set" in r]
+    if by_set:
+        names = list(by_set[0]["speedup_by_set"])
+        lines += ["", "Speedup over target-only on each prompt set (same run):", "",
+                  "| T | arm | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        lines += [f"| {r['temperature']:g} | {r['arm']} | " + " | ".join(str(r["speedup_by_set"][n]) for n in names) + " |"
+                  for r in by_set]
     asd = [r for r in rows if "asd_regret_per_prompt" in r]
     if asd:
         lines += ["", "ASD (lossy) against strict greedy with the same drafter and block length:", "",
@@ -273,7 +296,10 @@ def main(argv=None):
         if unknown:
             raise SpecdrafterError(f"--arms: no arm {unknown[0]!r} with these drafters (arms: {', '.join(a.name for a in arms)})")
         arms = [a for a in arms if a.name == "target" or not args.arms or a.name in args.arms]
-        records = [r for name in args.sets for r in load_prompt_set(name)[: args.prompts]]
+        records, origins = [], []  # the prompts, and the set each came from
+        for name in args.sets:
+            chosen = load_prompt_set(name)[: args.prompts]
+            records, origins = records + chosen, origins + [name] * len(chosen)
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
@@ -285,7 +311,7 @@ def main(argv=None):
     one, v = costs[1], {n: x / costs[1] for n, x in costs.items()}
     print(f"target step {one * 1e3:.1f} ms; v(n) = " + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()), file=sys.stderr)
     measure(arms, prompts, args.temperatures, args.repeats, cfg.inference.seed)
-    rows = table(arms, args.temperatures, one, v)
+    rows = table(arms, args.temperatures, one, v, origins)
     out = Path(args.out)
     header = (f"Decode benchmark: {len(prompts)} prompts ({', '.join(args.sets)}), {args.max_new_tokens} new tokens, "
               f"median of {args.repeats} repeats; target step {one * 1e3:.1f} ms; v(n) = "

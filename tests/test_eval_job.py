@@ -183,7 +183,8 @@ def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
     from eval import bench_decode
     bench_decode.main(["recipes/smollm2-135m-generate.yaml", f"target.model={tiny_target}", "inference.k=2",
                        "inference.tree=[[0],[1],[0,0]]", "--draft-model", str(run_dir / "checkpoints/step-000004/drafter"),
-                       "--sets", "mtbench", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2", "--out", str(tmp_path)])
+                       "--sets", "mtbench", "gsm8k", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2",
+                       "--out", str(tmp_path)])
     data = json.loads((tmp_path / "bench_decode.json").read_text())
     arms = [(r["temperature"], r["arm"]) for r in data["rows"]]
     assert arms == [(t, a) for t in (0.0, 1.0) for a in ("target", "hf_assisted", "draft_model_chain", "draft_model_tree")]
@@ -191,6 +192,10 @@ def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
         assert len(r["repeats"]) == 2 and r["tokens_per_s"] > 0
         if r["arm"].startswith("draft_model"):
             assert {"tau", "alpha", "c", "predicted_speedup", "measured_over_predicted"} <= set(r)
+    target_row = next(r for r in data["rows"] if r["arm"] == "target")
+    assert target_row["speedup_by_set"] == {"mtbench": 1.0, "gsm8k": 1.0}  # per set, over the same set's baseline
+    assert all(set(r["speedup_by_set"]) == {"mtbench", "gsm8k"} for r in data["rows"])
+    assert "Speedup over target-only on each prompt set" in (tmp_path / "bench_decode.md").read_text()
     assert (tmp_path / "bench_decode.md").read_text().count("\n| ") >= 8
     assert (tmp_path / "bench_decode.png").read_bytes()[:4] == b"\x89PNG"
 
