@@ -142,6 +142,7 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
     committed, cache = _prefill(target, prompt_ids, max_new_tokens + proposer.max_tree_size)
     proposer.reset()
     _observe(proposer, features, slice(None))
+    tuner = getattr(proposer, "tuner", None)
     result, eos, done = GenerationResult([]), set(eos_token_ids), False
     while not done:
         t0 = time.perf_counter()
@@ -163,8 +164,8 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         _observe(proposer, features, keep)  # target features of the root and the accepted path
         result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv,
                                         size=shape.size))
-        if getattr(proposer, "tuner", None) is not None:
-            proposer.tuner.update(shape.parents, proposer.node_probs, verdict.accepted_nodes, t1 - t0)
+        if tuner is not None:
+            tuner.update(shape.parents, proposer.node_probs, verdict.accepted_nodes, t1 - t0)
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
 

@@ -66,7 +66,7 @@ def draw(logits: torch.Tensor, params: SamplingParams,
 def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
     """One index drawn from probs [V] (need not sum to 1) by inverting its CDF: the first i with
     cdf[i] > u·cdf[-1], u ~ U[0, 1) in float64. A zero-probability index can never be drawn (its cdf equals its
-    predecessor's). Over a 49k vocabulary this is ~20× faster than `torch.multinomial` on this CPU."""
+    predecessor's). Over a 49k vocabulary this is ~13× faster than `torch.multinomial` on this CPU."""
     cdf = probs.to(torch.float64).cumsum(-1)  # [V]
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
     i = int(torch.searchsorted(cdf, u[None], right=True))

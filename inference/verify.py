@@ -27,10 +27,6 @@ class TreeVerdict(Verdict):
     accepted_nodes: List[int] = field(default_factory=list)  # tree node indices (root excluded), root to leaf
 
 
-def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
-    return sample(probs, generator)
-
-
 def _uniform(generator: Optional[torch.Generator]) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
@@ -68,9 +64,9 @@ def verify_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targe
     q_d = draft_probs.gather(1, draft_tokens[:, None]).squeeze(1)  # [k] q_i(d_i)
     rejected = (u * q_d >= p_d).nonzero()  # u < p/q without dividing; q(d) = 0 accepts iff p(d) > 0
     if len(rejected) == 0:
-        return Verdict(k, _sample(target_probs[k], generator))
+        return Verdict(k, sample(target_probs[k], generator))
     i = int(rejected[0])
-    return Verdict(i, _sample(_residual(target_probs[i], draft_probs[i]), generator))
+    return Verdict(i, sample(_residual(target_probs[i], draft_probs[i]), generator))
 
 
 # ------------------------------------------------------------------------------------------------- ASD
@@ -176,7 +172,7 @@ def verify_tree_sampling(parents: Sequence[int], node_tokens: torch.Tensor, targ
                     q[t] = 0
                     q = q / q.sum() if q.sum() > 0 else q
         if accepted is None:
-            return TreeVerdict(len(path), _sample(r, generator), path)
+            return TreeVerdict(len(path), sample(r, generator), path)
         node = accepted
         path.append(node)
 
@@ -222,5 +218,5 @@ def verify_typical(candidates: torch.Tensor, target_logits: torch.Tensor, temper
     best = int(torch.where(longest, score, torch.full_like(score, float("-inf"))).argmax())
     n = int(lengths[best])
     bonus = logits[best, n]
-    next_token = int(bonus.argmax()) if temperature == 0 else _sample((bonus / temperature).softmax(-1), generator)
+    next_token = int(bonus.argmax()) if temperature == 0 else sample((bonus / temperature).softmax(-1), generator)
     return TreeVerdict(n, next_token, [best])
