@@ -5,8 +5,10 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from data.assets import ensure_prompt_set, ensure_smollm2
@@ -23,6 +25,19 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def assert_first_two_tokens_follow(target, prompt, counts, n: int, level: float = 1e-4) -> None:
+    """χ² test (at `level`) of `counts` of the first two emitted tokens over n runs against the target's own
+    sampling distribution p(a | prompt) · p(b | prompt, a) at temperature 1."""
+    V = target.config.vocab_size
+    with torch.no_grad():
+        first = target(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
+        seconds = target(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double().softmax(-1)
+    cells = [(a, b) for a in range(V) for b in range(V)]
+    expected = np.array([float(first[a] * seconds[a, b]) for a, b in cells]) * n
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    assert chisquare(observed, expected).pvalue > level
 
 
 def tiny_llama_config(vocab_size: int, **overrides) -> LlamaConfig:

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_llama_config
+from conftest import assert_first_two_tokens_follow, tiny_llama_config
 from inference.autotune import BlockLengthTuner, TreeSizeTuner, expected_tokens
 from inference.generate import speculative_generate, tree_speculative_generate
 from inference.proposers import DraftModelProposer, DynamicTreeProposer
@@ -224,10 +224,4 @@ def test_changing_tree_size_every_cycle_still_samples_from_the_target():
         counts[tuple(r.tokens)] += 1
         sizes.update(c.size for c in r.cycles)
     assert set(sizes) == {2, 3, 4, 5}
-    with torch.no_grad():
-        first = target(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
-        seconds = target(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double().softmax(-1)
-    cells = [(a, b) for a in range(V) for b in range(V)]
-    expected = np.array([float(first[a] * seconds[a, b]) for a, b in cells]) * n
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    assert chisquare(observed, expected).pvalue > 1e-4
+    assert_first_two_tokens_follow(target, prompt, counts, n)
