@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import datasets
 import platformdirs
@@ -131,7 +131,7 @@ def load_prompt_set(name_or_path: str) -> List[dict]:
         except (ValueError, AttributeError, TypeError) as e:
             raise SpecdrafterError(f"{path}:{i}: not a valid prompt record ({str(e).splitlines()[0]})") from None
         records.append({"id": str(r.get("id") or f"{path.stem}/{i}"), "source": r.get("source") or path.stem,
-                        "category": r.get("category"), "turns": turns, "reference": r.get("reference")})
+                        "category": r.get("category"), "turns": turns, "reference": r.get("reference") or _assistant_turns(r)})
     return records
 
 
@@ -143,6 +143,13 @@ def _jsonl_rows(path: Path) -> Iterator[tuple]:
                     yield i, json.loads(line)
                 except ValueError as e:
                     raise SpecdrafterError(f"{path}:{i}: not valid JSON ({str(e).splitlines()[0]})") from None
+
+
+def _assistant_turns(r: dict) -> Optional[List[str]]:
+    """The assistant turns of a chat row (the dataset's own answers, for teacher-forced data), or None."""
+    chat = r.get("messages") or r.get("conversations") or []
+    answers = [m.get("content", m.get("value")) for m in chat if m.get("role", m.get("from")) in ("assistant", "gpt")]
+    return answers or None
 
 
 def _user_turns(r: dict) -> List[str]:

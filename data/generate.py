@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import DynamicCache
 
 from data.assets import load_prompt_set, load_target
 from data.features import capture_features, check_layer_ids
@@ -96,7 +96,8 @@ def select_prompts(records: List[dict], tokenizer, cfg: DictConfig, max_prompt_t
         if truncated:
             counts["truncated"] += 1
             text = tokenizer.decode(ids[:max_prompt_tokens])
-        chosen.append({"id": records[i]["id"], "text": text, "truncated": truncated})
+        chosen.append({"id": records[i]["id"], "text": text, "truncated": truncated, "turns": records[i]["turns"],
+                       "reference": records[i].get("reference")})
     counts["selected"] = len(chosen)
     return PromptSelection(chosen, counts)
 
@@ -110,22 +111,42 @@ def eos_token_ids(model, tokenizer) -> List[int]:
     return ids
 
 
-@torch.no_grad()
-def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_tokens: int, temperature: float,
-                       top_p: float, batch_size: int,
-                       on_batch: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
-    """Sample one response per prompt with the target, `batch_size` prompts at a time, left-padded.
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of logits [B, V]: argmax at temperature 0, else a draw from softmax(logits / T) cut to
+    its top-p nucleus (a token is dropped when the tokens ranked above it already cover top_p), by CDF inversion.
 
-    Returns each response's token ids up to and including the first EOS (no EOS if max_new_tokens was hit).
-    Prompts are batched by length to waste little compute on padding; results come back in input order.
-    `on_batch(num_prompts, num_new_tokens)` is called after every batch (progress reporting).
-    """
-    eos = eos_token_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = dict(do_sample=False)
-    if temperature > 0:
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    gen_config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
+    The nucleus is looked for among the 64 most likely tokens first and the full vocabulary is sorted only for the
+    rows whose 64 best tokens cover less than top_p, so a step costs a top-k instead of a 49k-entry sort per row."""
+    if temperature == 0:
+        return logits.argmax(-1)  # [B]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    if top_p >= 1:
+        cdf = probs.cumsum(-1)  # [B, V]
+        u = torch.rand(len(probs), 1, generator=generator) * cdf[:, -1:]  # [B, 1]
+        return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)[:, 0]
+    top, ids = torch.topk(probs, min(64, probs.shape[-1]), dim=-1)  # [B, K] descending
+    short = top.sum(-1) < top_p  # [B] rows whose nucleus may reach beyond the 64 best tokens
+    if short.any():
+        top, ids = torch.sort(probs, dim=-1, descending=True)  # [B, V]
+    kept = torch.where(top.cumsum(-1) - top < top_p, top, 0.0)  # [B, K] the nucleus, unnormalised
+    cdf = kept.cumsum(-1)  # [B, K]
+    u = torch.rand(len(probs), 1, generator=generator) * cdf[:, -1:]  # [B, 1]
+    pick = torch.searchsorted(cdf, u, right=True).clamp_max(kept.shape[-1] - 1)  # [B, 1]
+    return ids.gather(-1, pick)[:, 0]  # [B]
+
+
+@torch.no_grad()
+def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, temperature: float, top_p: float,
+                     batch_size: int, eos: Sequence[int], pad: int, generator: Optional[torch.Generator] = None,
+                     on_batch: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
+    """One response per prompt from the target: prompts of similar length batched together (left-padded), one
+    cached forward per step, and a row leaves the batch (its cache rows dropped) as soon as it emits an EOS or
+    reaches max_new_tokens, so finished rows cost nothing while the others go on.
+
+    Returns each response's token ids up to and including the first EOS (no EOS if max_new_tokens was hit), in
+    input order. `on_batch(num_prompts, num_new_tokens)` is called after every batch (progress reporting)."""
+    eos_t = torch.tensor(list(eos))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     responses: List[List[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
@@ -136,31 +157,179 @@ def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_token
         for row, i in enumerate(batch):  # left padding: the last prompt token of every row is at T-1
             input_ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             attention_mask[row, width - len(prompts[i]):] = 1
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
-        for row, i in enumerate(batch):
-            new = out[row, width:].tolist()  # [new tokens], padded after EOS
-            stop = next((j for j, t in enumerate(new) if t in eos), None)
-            responses[i] = new if stop is None else new[:stop + 1]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [B, T]
+        cache = DynamicCache()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        rows = torch.tensor(batch)  # [B] which prompt each batch row answers
+        positions = position_ids[:, -1:]  # [B, 1]
+        for step in range(max_new_tokens):
+            token = sample_tokens(logits, temperature, top_p, generator)  # [B]
+            for i, t in zip(rows.tolist(), token.tolist()):
+                responses[i].append(t)
+            done = torch.isin(token, eos_t) | (step + 1 == max_new_tokens)  # [B]
+            if done.all():
+                break
+            if done.any():  # finished rows leave the batch and the cache
+                keep = (~done).nonzero()[:, 0]  # [B']
+                cache.batch_select_indices(keep)
+                rows, token, positions, attention_mask = rows[keep], token[keep], positions[keep], attention_mask[keep]
+            positions = positions + 1
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)  # [B', S+1]
+            logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=positions,
+                           past_key_values=cache, use_cache=True).logits[:, -1]  # [B', V]
         if on_batch is not None:
             on_batch(len(batch), sum(len(responses[i]) for i in batch))
     return responses
 
 
-def build_record(prompt: dict, prompt_ids: List[int], response_ids: List[int], tokenizer, eos: List[int]) -> dict:
-    """One conversation: messages for reading, and the exact token ids the target saw and produced. The loss
-    mask covers the assistant tokens (the target's response, its closing EOS included) and nothing else."""
-    finished = bool(response_ids) and response_ids[-1] in eos
-    text = tokenizer.decode(response_ids[:-1] if finished else response_ids)
-    return {
-        "id": prompt["id"],
-        "messages": [{"role": "user", "content": prompt["text"]}, {"role": "assistant", "content": text}],
-        "input_ids": prompt_ids + response_ids,
-        "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids),
-        "num_prompt_tokens": len(prompt_ids),
-        "num_response_tokens": len(response_ids),
-        "finished": finished,
-        "prompt_truncated": prompt["truncated"],
-    }
+def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_tokens: int, temperature: float,
+                       top_p: float, batch_size: int, on_batch: Optional[Callable[[int, int], None]] = None,
+                       generator: Optional[torch.Generator] = None) -> List[List[int]]:
+    """`sample_responses` with the target's EOS ids and pad token."""
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    return sample_responses(model, prompts, max_new_tokens, temperature, top_p, batch_size, eos, pad, generator,
+                            on_batch)
+
+
+def chat_ids(tokenizer, messages: List[dict], generation_prompt: bool) -> List[int]:
+    """The token ids the target's own chat template lays out for `messages`."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                         return_dict=True)["input_ids"]
+
+
+class HFEngine:
+    """Regeneration in this process (`data.engine: hf`), with the same `respond` as the serving-engine client."""
+
+    def __init__(self, model, tokenizer, batch_size: int, on_batch: Optional[Callable[[int, int], None]] = None):
+        self.model, self.tokenizer, self.batch_size, self.on_batch = model, tokenizer, batch_size, on_batch
+        self.counters: Dict[str, int] = {}
+
+    def probe(self, temperature: float, top_p: float) -> dict:
+        return {"engine": "hf"}
+
+    def respond(self, messages: List[List[dict]], max_new_tokens: int, temperature: float, top_p: float,
+                seed: int) -> List[List[int]]:
+        prompts = [chat_ids(self.tokenizer, m, True) for m in messages]
+        return generate_responses(self.model, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
+                                  self.batch_size, self.on_batch, torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ conversations
+@dataclass
+class Conversation:
+    """One conversation being built turn by turn: the ids as the chat template lays them out, and a loss mask
+    that is 1 exactly on the assistant tokens (each closing EOS included)."""
+    prompt: dict  # {"id", "text" (first turn, maybe truncated), "turns", "reference", "truncated", "source"}
+    messages: List[dict] = field(default_factory=list)
+    input_ids: List[int] = field(default_factory=list)
+    loss_mask: List[int] = field(default_factory=list)
+    finished: bool = True  # the last assistant turn ended with EOS
+    open: bool = True  # another turn may follow
+    stop_reason: Optional[str] = None
+    next_ids: List[int] = field(default_factory=list)  # the ids of the context `context` returned last
+
+    def context(self, tokenizer, turn: int, max_prompt: int, room: int) -> Optional[List[dict]]:
+        """Messages for assistant turn `turn` (ending with its user turn), or None (and `open` False) when the
+        conversation ends here: no more user turns, an over-long turn, no room in the context window, or the
+        template does not extend the ids so far (an earlier response did not round-trip through its text)."""
+        turns = self.prompt["turns"]
+        stop = None
+        if turn >= len(turns):
+            stop = "no_more_turns"
+        elif self.prompt["source"] == "dataset" and turn >= len(self.prompt["reference"] or []):
+            stop = "no_more_turns" if turn else "no_assistant_turns"
+        elif not self.finished:
+            stop = "unfinished_response"
+        if stop is None:
+            text = turns[turn].strip() if turn else self.prompt["text"]
+            messages = self.messages + [{"role": "user", "content": text}]
+            ids = chat_ids(tokenizer, messages, True)
+            if turn and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt:
+                stop = "overlong_turn"
+            elif len(ids) > room:
+                stop = "context_full"
+            elif ids[:len(self.input_ids)] != self.input_ids:
+                stop = "roundtrip_mismatch"
+        if stop is not None:
+            self.open, self.stop_reason = False, stop
+            return None
+        self.next_ids = ids
+        return messages
+
+    def add_turn(self, messages: List[dict], response: List[int], tokenizer, eos: Sequence[int]) -> None:
+        """Append one assistant turn: `response` ids (EOS-terminated if finished) after the context's ids."""
+        ids = self.next_ids
+        self.finished = bool(response) and response[-1] in eos
+        text = tokenizer.decode(response[:-1] if self.finished else response)
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        self.loss_mask = self.loss_mask + [0] * (len(ids) - len(self.input_ids)) + [1] * len(response)
+        self.input_ids = ids + response
+
+    def record(self) -> dict:
+        n_response = sum(self.loss_mask)
+        return {
+            "id": self.prompt["id"], "messages": self.messages, "input_ids": self.input_ids, "loss_mask": self.loss_mask,
+            "num_prompt_tokens": len(self.input_ids) - n_response, "num_response_tokens": n_response,
+            "num_turns": sum(m["role"] == "assistant" for m in self.messages), "finished": self.finished,
+            "prompt_truncated": self.prompt["truncated"], "source": self.prompt["source"],
+        }
+
+
+def reference_response(tokenizer, messages: List[dict], answer: str, context: List[int],
+                       eos: Sequence[int]) -> Optional[List[int]]:
+    """The dataset's own assistant turn as the template lays it out after `context`, through its closing EOS
+    (None if the template does not extend the context or closes the turn with no EOS)."""
+    full = chat_ids(tokenizer, messages + [{"role": "assistant", "content": answer}], False)
+    if full[:len(context)] != context:
+        return None
+    tail = full[len(context):]
+    end = next((j for j, t in enumerate(tail) if t in eos), None)
+    return None if end is None or end == 0 else tail[:end + 1]
+
+
+def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[int], d: DictConfig, seed: int,
+                        max_prompt: int, room: int, counts: Dict[str, int],
+                        on_turn: Optional[Callable[[int, int], None]] = None) -> List[dict]:
+    """Up to `data.max_turns` assistant turns per conversation, turn by turn over the whole shard (one batched
+    engine call per turn): the target answers given its own earlier answers, or — source "dataset" — the
+    conversation's own answers are laid out by the chat template. Returns one record per conversation with at
+    least one assistant turn; why conversations ended (or were skipped) is added to `counts`."""
+    conversations = [Conversation(p) for p in prompts]
+    for turn in range(d.max_turns):
+        todo = [(c, c.context(tokenizer, turn, max_prompt, room)) for c in conversations if c.open]
+        todo = [(c, m) for c, m in todo if m is not None]
+        if not todo:
+            break
+        regenerate = [(c, m) for c, m in todo if c.prompt["source"] == "target"]
+        generated = 0
+        if regenerate:
+            responses = engine.respond([m for _, m in regenerate], d.max_new_tokens, d.temperature, d.top_p,
+                                       seed * 1_000 + turn)
+            for (c, m), response in zip(regenerate, responses):
+                if not response:
+                    c.open, c.stop_reason = False, "empty_response"
+                    continue
+                c.add_turn(m, response, tokenizer, eos)
+                generated += len(response)
+        for c, m in todo:
+            if c.prompt["source"] == "dataset":
+                answer = (c.prompt["reference"] or [])[turn]
+                response = reference_response(tokenizer, m, answer, c.next_ids, eos) if answer and answer.strip() else None
+                if response is None:
+                    c.open, c.stop_reason = False, "unusable_reference"
+                    continue
+                c.add_turn(m, response[:d.max_new_tokens], tokenizer, eos)
+        if on_turn is not None:
+            on_turn(len(todo), generated)
+    for c in conversations:
+        if c.open and c.messages:
+            c.stop_reason = "max_turns"
+        counts[c.stop_reason or "max_turns"] = counts.get(c.stop_reason or "max_turns", 0) + 1
+    skipped = sum(not c.messages for c in conversations)
+    counts["skipped_without_turns"] = counts.get("skipped_without_turns", 0) + skipped
+    return [c.record() for c in conversations if c.messages]
 
 
 # ---------------------------------------------------------------------------------------- hidden states
@@ -208,8 +377,8 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     num_conversations: the selection is a prefix of one seeded order and each shard's prompt ids are checked, so
     a dataset grows or shrinks by whole shards without regenerating the others)."""
     d = OmegaConf.to_container(cfg.data, enum_to_str=True)
-    for k in ("batch_size", "hidden_states", "num_conversations"):
-        d.pop(k)
+    for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency"):
+        d.pop(k, None)
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
             **{f"data.{k}": v for k, v in d.items()}}
 
@@ -273,6 +442,23 @@ def write_hidden(tensors: Dict[str, torch.Tensor], path: Path, layer_ids: Sequen
     tmp.replace(path)
 
 
+def response_source(d: DictConfig, conversation_id: str) -> str:
+    """Who writes this conversation's assistant turns: "target" or "dataset" (data.responses; with mix, a seeded
+    draw per conversation, so a conversation keeps its source however the dataset grows)."""
+    if d.responses.value != "mix":
+        return d.responses.value
+    return "target" if random.Random(f"{d.seed}/{conversation_id}").random() < d.target_share else "dataset"
+
+
+def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int], None]):
+    """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server)."""
+    d = cfg.data
+    if d.engine.value == "server":
+        from data.server import ServerEngine
+        return ServerEngine(list(d.servers), d.concurrency, tokenizer)
+    return HFEngine(model, tokenizer, d.batch_size, on_batch)
+
+
 # ------------------------------------------------------------------------------------------------- job
 def generate_dataset(cfg: DictConfig) -> dict:
     """The data job: select prompts, regenerate responses with the target shard by shard, cache features."""
@@ -288,9 +474,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
     layer_ids = list(d.hidden_states.layer_ids)
     check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
 
-    template = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
-                                                          add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    overhead = len(template(""))
+    overhead = len(chat_ids(tokenizer, [{"role": "user", "content": ""}], True))
     context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     room = context - d.max_new_tokens - overhead
     if room < max(d.min_prompt_tokens, 1):
@@ -317,6 +501,8 @@ def generate_dataset(cfg: DictConfig) -> dict:
         log.info(f"hidden-state cache: at most {upper / 2**30:.2f} GiB for layers {layer_ids}")
         check_free_space(upper, out)
 
+    for p in selection.prompts:
+        p["source"] = response_source(d, p["id"])
     settings = settings_fingerprint(cfg)
     eos = eos_token_ids(model, tokenizer)
     shards = [selection.prompts[i:i + d.shard_size] for i in range(0, len(selection.prompts), d.shard_size)]
@@ -332,22 +518,30 @@ def generate_dataset(cfg: DictConfig) -> dict:
     if kept:
         log.info(f"resuming: {kept} of {len(shards)} shards already done")
 
-    progress = tqdm(total=sum(len(shards[i]) for i in todo), unit="conv", desc="generating", dynamic_ncols=True)
-    start, gen_tokens = time.perf_counter(), 0
+    progress = tqdm(total=sum(len(shards[i]) for i in todo) * d.max_turns, unit="turn", desc="generating",
+                    dynamic_ncols=True)
+    start, gen_tokens, live_tokens = time.perf_counter(), 0, 0
 
-    def on_batch(num_prompts: int, num_tokens: int) -> None:
+    def on_batch(num_prompts: int, num_tokens: int) -> None:  # in-process engine: live speed within a turn
+        nonlocal live_tokens
+        live_tokens += num_tokens
+        progress.set_postfix_str(f"{live_tokens / (time.perf_counter() - start):.1f} tok/s")
+
+    def on_turn(num_conversations: int, num_tokens: int) -> None:
         nonlocal gen_tokens
         gen_tokens += num_tokens
-        progress.update(num_prompts)
-        progress.set_postfix_str(f"{gen_tokens / (time.perf_counter() - start):.1f} tok/s")
+        progress.update(num_conversations)
 
+    engine = build_engine(cfg, model, tokenizer, on_batch)
+    engine_facts = engine.probe(d.temperature, d.top_p) if todo and any(p["source"] == "target" for p in selection.prompts) else {}
+    ended: Dict[str, int] = {}
     for i in todo:
-        prompt_ids = [template(p["text"]) for p in shards[i]]
-        torch.manual_seed(d.seed * 100_003 + i)  # per shard, so a resumed run samples what an unbroken one would
-        responses = generate_responses(model, tokenizer, prompt_ids, d.max_new_tokens, d.temperature, d.top_p,
-                                       d.batch_size, on_batch)
-        write_shard([build_record(p, ids, r, tokenizer, eos) for p, ids, r in zip(shards[i], prompt_ids, responses)],
-                    out / "shards" / shard_name(i), settings)
+        records = build_conversations(shards[i], engine, tokenizer, eos, d, d.seed * 100_003 + i, max_prompt,
+                                      context - d.max_new_tokens, ended, on_turn)
+        if not records:
+            raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check data.responses "
+                                   f"and the prompt file's assistant turns")
+        write_shard(records, out / "shards" / shard_name(i), settings)
     progress.close()
     gen_seconds = time.perf_counter() - start
 
@@ -361,15 +555,22 @@ def generate_dataset(cfg: DictConfig) -> dict:
                 write_hidden(target_hidden_states(model, shard["input_ids"], layer_ids, d.hidden_states.batch_size,
                                                   hidden_dtype), path, layer_ids)
 
+    sources = dataset["source"]
+    by_source = {src: {"conversations": sum(x == src for x in sources),
+                       "response_tokens": sum(n for n, x in zip(dataset["num_response_tokens"], sources) if x == src)}
+                 for src in sorted(set(sources))}
     stats = {
         "prompts": selection.counts,
         "conversations": dataset.num_rows,
         "shards": len(shards),
         "tokens": sum(dataset["num_prompt_tokens"]) + sum(dataset["num_response_tokens"]),
         "response_tokens": sum(dataset["num_response_tokens"]),
+        "assistant_turns": sum(dataset["num_turns"]),
         "finished_responses": sum(dataset["finished"]),
+        "by_source": by_source,
         "this_run": {"generated_conversations": sum(len(shards[i]) for i in todo), "generated_tokens": gen_tokens,
-                     "seconds": round(gen_seconds, 2), "tokens_per_s": round(gen_tokens / max(gen_seconds, 1e-9), 2)},
+                     "seconds": round(gen_seconds, 2), "tokens_per_s": round(gen_tokens / max(gen_seconds, 1e-9), 2),
+                     "conversation_ends": ended, "engine": {**engine_facts, **engine.counters}},
         "hidden_state_layers": layer_ids,
     }
     atomic_write_json(out / "stats.json", stats)
