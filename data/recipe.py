@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -324,10 +325,18 @@ def _check_values(cfg: DictConfig) -> None:
     d = cfg.data
     positive = {"data.num_conversations": d.num_conversations, "data.max_new_tokens": d.max_new_tokens,
                 "data.batch_size": d.batch_size, "data.shard_size": d.shard_size,
-                "data.max_prompt_tokens": d.max_prompt_tokens, "data.hidden_states.batch_size": d.hidden_states.batch_size}
+                "data.max_prompt_tokens": d.max_prompt_tokens, "data.hidden_states.batch_size": d.hidden_states.batch_size,
+                "data.concurrency": d.concurrency}
     for key, value in positive.items():
         if value <= 0:
             raise RecipeError(f"recipe key {key!r} must be positive, got {value}")
+    if d.engine.value == "server" and not d.servers:
+        raise RecipeError("recipe key 'data.servers' must list at least one server URL with data.engine=server "
+                          "(e.g. data.servers=[http://127.0.0.1:8000])")
+    for url in d.servers:
+        problem = server_url_problem(url)
+        if problem:
+            raise RecipeError(f"recipe key 'data.servers': {url!r} {problem}")
     if d.max_turns <= 0:
         raise RecipeError(f"recipe key 'data.max_turns' must be positive, got {d.max_turns}")
     if d.responses.value == "mix" and (d.target_share is None or not 0 <= d.target_share <= 1):
@@ -425,6 +434,20 @@ def _check_eval(cfg: DictConfig) -> None:
         raise RecipeError("recipe key 'eval.verifiers': tree needs inference.tree (static) or inference.dynamic_tree.total_tokens")
     if "typical" in verifiers and (kind != "medusa" or not inf.tree):
         raise RecipeError("recipe key 'eval.verifiers': typical acceptance needs drafter.kind=medusa and a static inference.tree")
+
+
+def server_url_problem(url: str) -> Optional[str]:
+    """Why `url` is not a serving engine's base URL (http(s)://host[:port][/prefix], /v1 optional), or None."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0  # .port raises on h:abc
+    except ValueError:
+        ok = False
+    if not ok:
+        return "is not an http(s) URL such as http://127.0.0.1:8000"
+    if parts.query or parts.fragment or parts.path.rstrip("/").endswith("/completions"):
+        return "should be the server's base URL (http://host:port or http://host:port/v1), not an endpoint"
+    return None
 
 
 def _looks_local(name: str) -> bool:
