@@ -235,6 +235,29 @@ def test_predictions_line_up_with_the_targets_rows(tmp_path, kind, extra, peaky_
         assert torch.equal(drafter.module.lm_head.weight, target.lm_head.weight[drafter.module.draft_ids])
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draft_vocabulary_teacher_gives_the_full_teachers_numbers(tmp_path, monkeypatch, peaky_target, data_dir, target,
+                                                                  smollm2_tokenizer, temperature):
+    """EAGLE-3's teacher computed over the draft vocabulary only (chunked normaliser, no [R, V] tensor) gives the
+    loss, trained mask, α̂ and top-1 agreement of the full-vocabulary teacher."""
+    import train.drafters
+    from train.loop import prediction_loss
+    monkeypatch.setattr(train.drafters, "TEACHER_CHUNK", 5000)  # several chunks over SmolLM2's 49,152 tokens
+    cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, "train.features=online", f"train.temperature={temperature}")
+    data = training_data(cfg, target, smollm2_tokenizer)
+    drafter = build_drafter(cfg, target, data)
+    batch, layers = data.batch(data.train[:4]), needed_layers(cfg, target.config)
+    with torch.no_grad():
+        full = drafter.predictions(drafter.module, batch, run_target(target, batch, layers))
+        sliced = drafter.predictions(drafter.module, batch, run_target(target, batch, layers, drafter.teacher_ids,
+                                                                       temperature))
+    for a, b in zip(full, sliced):
+        assert a.target_logits.shape[1] == target.config.vocab_size and b.target_logits.shape[1] == 1024
+        assert torch.equal(a.trained, b.trained) and 0 < int(a.trained.sum()) < len(a.trained)
+        torch.testing.assert_close(prediction_loss(b, cfg.train).total, prediction_loss(a, cfg.train).total)
+        torch.testing.assert_close(acceptance_sums(b, temperature), acceptance_sums(a, temperature))
+
+
 @pytest.mark.parametrize("kind,extra", KINDS, ids=["draft", "draft-lora", "medusa", "eagle3"])
 def test_saved_drafter_reloads_through_the_inference_module(tmp_path, kind, extra, peaky_target, data_dir, target,
                                                             smollm2_tokenizer):

@@ -40,13 +40,24 @@ class Prediction:
     draft_ids: Optional[torch.Tensor] = None  # [Vd] target id of each draft-vocabulary entry (None: full vocabulary)
     trained: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
     feature_loss: Optional[torch.Tensor] = None  # EAGLE-1's feature regression, added to the loss as is
+    # When set, target_logits hold only the draft vocabulary's rows [N, Vd] and target_lse [N] is the log of the
+    # target's normaliser over its *full* vocabulary at the training temperature (see `teacher_rows`).
+    target_lse: Optional[torch.Tensor] = None
 
 
 @dataclass
 class TargetOutput:
     features: Dict[int, torch.Tensor]  # {layer id: [B, T, d]}
-    logits: torch.Tensor  # [R, V] the target's logits at the rows that predict a target-generated token
+    logits: torch.Tensor  # [R, V] (or [R, Vd]: draft vocabulary only) the target's logits at the rows that predict a target-generated token
     row_index: torch.Tensor  # [B, T] index into `logits` (−1 elsewhere)
+    lse: Optional[torch.Tensor] = None  # [R] with draft-vocabulary logits: log Σ_v exp(z_v / T) over the full vocabulary
+    top_in_vocab: Optional[torch.Tensor] = None  # [R] bool: the target's top token is in the draft vocabulary
+
+    def rows(self, rows, lead: int) -> torch.Tensor:
+        """Indices into `logits` of the target's rows for the tokens that draft positions `rows` predict with lead s:
+        row t+s−1."""
+        b, t = rows
+        return self.row_index[b, t + lead - 1]
 
 
 def counted_rows(loss_mask: torch.Tensor, lead: int):
@@ -56,15 +67,35 @@ def counted_rows(loss_mask: torch.Tensor, lead: int):
 
 def target_rows(target: TargetOutput, rows, lead: int) -> torch.Tensor:
     """The target's logits [N, V] for the token that draft position t predicts with lead s: row t+s−1."""
-    b, t = rows
-    return target.logits[target.row_index[b, t + lead - 1]]
+    return target.logits[target.rows(rows, lead)]
+
+
+TEACHER_CHUNK = 16_384  # vocabulary rows per matmul while the teacher's full-vocabulary normaliser is accumulated
 
 
 @torch.no_grad()
-def run_target(target: nn.Module, batch: Batch, layers: List[int]) -> TargetOutput:
+def teacher_rows(hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, temperature: float):
+    """The target's teacher over a draft vocabulary without a [R, V] tensor: hidden [R, d] (after the final norm),
+    lm_head [V, d], draft_ids [Vd]. The full vocabulary is visited TEACHER_CHUNK rows at a time for its
+    log-normaliser at `temperature` and its maximum; only the draft vocabulary's logits are kept.
+    Returns (logits [R, Vd] fp32, lse [R], top_in_vocab [R] bool: the target's top token is a draft token)."""
+    lse = hidden.new_full((len(hidden),), float("-inf"), dtype=torch.float32)  # [R]
+    best = lse.clone()  # [R]
+    for chunk in lm_head.split(TEACHER_CHUNK):
+        z = (hidden @ chunk.T).float()  # [R, C]
+        lse = torch.logaddexp(lse, torch.logsumexp(z / temperature, dim=-1))
+        best = torch.maximum(best, z.max(-1).values)
+    logits = (hidden @ lm_head[draft_ids].T).float()  # [R, Vd]
+    return logits, lse, logits.max(-1).values >= best
+
+
+@torch.no_grad()
+def run_target(target: nn.Module, batch: Batch, layers: List[int], draft_ids: Optional[torch.Tensor] = None,
+               temperature: float = 1.0) -> TargetOutput:
     """The frozen target's features and logits for a batch: computed now (online) or from the data job's cache
     (offline: batch.features holds the cached layers, including the last layer's output). The lm_head — a
-    large share of the target's cost — runs only at the rows whose next token carries loss."""
+    large share of the target's cost — runs only at the rows whose next token carries loss; with `draft_ids`
+    only the draft vocabulary's logits are kept (`teacher_rows`: memory O(R · Vd), not O(R · V))."""
     L = target.config.num_hidden_layers
     if batch.features is not None:
         features = {k: v.to(target.dtype) for k, v in batch.features.items()}
@@ -75,8 +106,11 @@ def run_target(target: nn.Module, batch: Batch, layers: List[int]) -> TargetOutp
     b, t = counted_rows(batch.loss_mask, 1)
     row_index = torch.full(batch.input_ids.shape, -1, dtype=torch.long, device=batch.input_ids.device)
     row_index[b, t] = torch.arange(len(b), device=b.device)
-    logits = target.lm_head(target.model.norm(features[L][b, t])).float()  # [R, V]
-    return TargetOutput(features, logits, row_index)
+    hidden = target.model.norm(features[L][b, t])  # [R, d]
+    if draft_ids is None:
+        return TargetOutput(features, target.lm_head(hidden).float(), row_index)  # [R, V]
+    logits, lse, top_in_vocab = teacher_rows(hidden, target.lm_head.weight, draft_ids.to(hidden.device), temperature)
+    return TargetOutput(features, logits, row_index, lse, top_in_vocab)
 
 
 # ------------------------------------------------------------------------------------------ draft model
@@ -99,6 +133,7 @@ def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Modu
 
 class DraftModelDrafter:
     kind = "draft_model"
+    teacher_ids = None  # the loss compares full-vocabulary distributions
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         dr = cfg.drafter
@@ -176,6 +211,7 @@ class MedusaDrafter:
     towards the original target's (the "backbone" prediction, weight 1) while the heads carry heads_weight.
     Saved as the heads folder with the merged backbone in `backbone/`, which decoding then serves as the target."""
     kind = "medusa"
+    teacher_ids = None  # the loss compares full-vocabulary distributions
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         m, lora = cfg.drafter.medusa, cfg.drafter.lora
@@ -253,6 +289,7 @@ class Eagle3Drafter:
         with torch.no_grad():  # start the pruned lm_head from the target's rows for the same tokens
             head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids])
         self.module, self.embed = head, target.get_input_embeddings()
+        self.teacher_ids = head.draft_ids if vocab < V else None  # the teacher's rows the loss needs (run_target)
         self.steps, self.decay = e.ttt_steps, e.step_decay
         self.prediction_names = [f"step{j}" for j in range(self.steps)]
 
@@ -262,9 +299,14 @@ class Eagle3Drafter:
         out = []
         for j, h in enumerate(hidden):  # step j predicts x_{t+j+2}
             rows = counted_rows(batch.loss_mask, j + 2)
-            p = target_rows(target, rows, j + 2)  # [N, V]
-            in_vocab = module.t2d[p.argmax(-1)]  # [N] the draft can emit the target's top token: trained on
-            out.append(Prediction(f"step{j}", self.decay ** j, module.logits(h[rows]), p, module.draft_ids, in_vocab))
+            index = target.rows(rows, j + 2)  # [N]
+            if target.lse is None:  # full-vocabulary teacher rows
+                p = target.logits[index]  # [N, V]
+                in_vocab, lse = module.t2d[p.argmax(-1)], None  # [N] the draft can emit the target's top token: trained on
+            else:  # draft-vocabulary teacher rows (teacher_ids)
+                p, in_vocab, lse = target.logits[index], target.top_in_vocab[index], target.lse[index]
+            out.append(Prediction(f"step{j}", self.decay ** j, module.logits(h[rows]), p, module.draft_ids, in_vocab,
+                                  target_lse=lse))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:
@@ -284,6 +326,7 @@ class Eagle1Drafter:
     """EAGLE-1: predicts the next last-layer feature; loss = feature_weight · SmoothL1(f̂_{t+1}, f_{t+1}) +
     ce_weight · objective(p_{t+1}, q) with q from the target's norm + lm_head on f̂."""
     kind = "eagle1"
+    teacher_ids = None  # the loss compares full-vocabulary distributions
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         e = cfg.drafter.eagle

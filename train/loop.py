@@ -94,7 +94,8 @@ def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------ objectives
 def prediction_loss(p: Prediction, t: DictConfig):
-    target = p.target_logits if p.draft_ids is None else p.target_logits[:, p.draft_ids]  # [N, Vd]
+    sliced = p.draft_ids is None or p.target_lse is not None  # target rows already in the draft's vocabulary
+    target = p.target_logits if sliced else p.target_logits[:, p.draft_ids]  # [N, Vd]
     mask = torch.ones(len(target), dtype=torch.bool, device=target.device) if p.trained is None else p.trained  # [N]
     return distill_loss(target, p.draft_logits, mask, dict(t.objective) or {"soft_ce": 1.0}, t.temperature, t.jsd_beta)
 
@@ -103,14 +104,18 @@ def prediction_loss(p: Prediction, t: DictConfig):
 def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
     """[Σ α̂, Σ top-1 agreement, count] over the masked positions. α̂ = Σ_v min(p(v), q(v)) at the serving
     temperature: the chance that exact speculative sampling accepts the drafted token there (= 1 − D_TV)."""
-    target = torch.softmax(p.target_logits / temperature, -1)  # [N, V]
     q = torch.softmax(p.draft_logits.float() / temperature, -1)  # [N, Vd]
     draft_top = p.draft_logits.argmax(-1)  # [N]
-    if p.draft_ids is not None:
-        target = target[:, p.draft_ids]  # q is zero outside the draft vocabulary
-        draft_top = p.draft_ids[draft_top]
+    if p.target_lse is not None:  # draft-vocabulary target rows + the full vocabulary's normaliser
+        target = torch.exp(p.target_logits / temperature - p.target_lse[:, None])  # [N, Vd] full-vocabulary p of draft tokens
+        top1 = (p.trained & (draft_top == p.target_logits.argmax(-1))).float()  # [N] trained: the target's top is a draft token
+    else:
+        target = torch.softmax(p.target_logits / temperature, -1)  # [N, V]
+        if p.draft_ids is not None:
+            target = target[:, p.draft_ids]  # q is zero outside the draft vocabulary
+            draft_top = p.draft_ids[draft_top]
+        top1 = (draft_top == p.target_logits.argmax(-1)).float()  # [N]
     alpha = torch.minimum(target, q).sum(-1)  # [N]
-    top1 = (draft_top == p.target_logits.argmax(-1)).float()  # [N]
     return torch.stack([alpha.sum(), top1.sum(), torch.tensor(float(len(alpha)), device=alpha.device)])
 
 
@@ -205,7 +210,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
             order = data.epoch_order(epoch)
             start = (i * world + rank) * t.micro_batch_size
             batch = data.batch(order[start:start + t.micro_batch_size]).to(device)
-            target_out = run_target(target, batch, layers)
+            target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
             loss = 0.0
             for p in drafter.predictions(engine.module, batch, target_out):
                 out_p = prediction_loss(p, t)
@@ -304,7 +309,8 @@ def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig,
         if not indices:  # a rank without held-out conversations still joins the collective below
             continue
         batch = data.batch(indices).to(device)
-        for p in drafter.predictions(engine.module, batch, run_target(target, batch, layers)):
+        teacher = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
+        for p in drafter.predictions(engine.module, batch, teacher):
             sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, t.temperature).cpu()
     names = drafter.prediction_names
     stacked = torch.stack([sums.get(n, torch.zeros(3)) for n in names]).to(device)  # [P, 3]
