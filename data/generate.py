@@ -117,7 +117,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     its top-p nucleus (a token is dropped when the tokens ranked above it already cover top_p), by CDF inversion.
 
     The nucleus is looked for among the 64 most likely tokens first and the full vocabulary is sorted only for the
-    rows whose 64 best tokens cover less than top_p, so a step costs a top-k instead of a 49k-entry sort per row."""
+    rows whose 64 best tokens cover less than top_p, so most rows cost a top-k instead of a 49k-entry sort."""
     if temperature == 0:
         return logits.argmax(-1)  # [B]
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
@@ -127,11 +127,19 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)[:, 0]
     top, ids = torch.topk(probs, min(64, probs.shape[-1]), dim=-1)  # [B, K] descending
     short = top.sum(-1) < top_p  # [B] rows whose nucleus may reach beyond the 64 best tokens
+    token = torch.empty(len(probs), dtype=torch.long)
+    token[~short] = draw_from_nucleus(top[~short], ids[~short], top_p, generator)
     if short.any():
-        top, ids = torch.sort(probs, dim=-1, descending=True)  # [B, V]
+        token[short] = draw_from_nucleus(*torch.sort(probs[short], dim=-1, descending=True), top_p, generator)
+    return token
+
+
+def draw_from_nucleus(top: torch.Tensor, ids: torch.Tensor, top_p: float,
+                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A draw per row from probabilities top [B, K] (descending; token ids ids [B, K]) cut to the top-p nucleus."""
     kept = torch.where(top.cumsum(-1) - top < top_p, top, 0.0)  # [B, K] the nucleus, unnormalised
     cdf = kept.cumsum(-1)  # [B, K]
-    u = torch.rand(len(probs), 1, generator=generator) * cdf[:, -1:]  # [B, 1]
+    u = torch.rand(len(top), 1, generator=generator) * cdf[:, -1:]  # [B, 1]
     pick = torch.searchsorted(cdf, u, right=True).clamp_max(kept.shape[-1] - 1)  # [B, 1]
     return ids.gather(-1, pick)[:, 0]  # [B]
 
