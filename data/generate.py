@@ -357,19 +357,21 @@ def target_hidden_states(model, sequences: List[List[int]], layer_ids: Sequence[
     Layer ids follow `data.features` (id k = input to layer k; id L = last layer's output, pre-norm).
     Sequences are right-padded, so padding never changes a real token's state.
     """
-    per_layer: Dict[int, List[torch.Tensor]] = {k: [] for k in layer_ids}
+    per_layer: Dict[int, List[Optional[torch.Tensor]]] = {k: [None] * len(sequences) for k in layer_ids}
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths together: little padding
     with capture_features(model, layer_ids) as hidden:
-        for start in range(0, len(sequences), batch_size):
-            batch = sequences[start:start + batch_size]
-            width = max(len(s) for s in batch)
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            width = max(len(sequences[i]) for i in batch)
             input_ids = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
             attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-            for row, s in enumerate(batch):
-                input_ids[row, :len(s)] = torch.tensor(s)
-                attention_mask[row, :len(s)] = 1
+            for row, i in enumerate(batch):
+                input_ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+                attention_mask[row, :len(sequences[i])] = 1
             model.model(input_ids=input_ids, attention_mask=attention_mask)  # the backbone: no [B, T, V] logits
             for k in layer_ids:
-                per_layer[k].extend(hidden[k][row, :len(s)].to(dtype) for row, s in enumerate(batch))  # [T_i, d]
+                for row, i in enumerate(batch):
+                    per_layer[k][i] = hidden[k][row, :len(sequences[i])].to(dtype)  # [T_i, d]
     lengths = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.long)
     out = {f"layer_{k}": torch.cat(per_layer[k]).contiguous() for k in layer_ids}
     out["offsets"] = torch.cumsum(lengths, 0)

@@ -157,7 +157,8 @@ class FeatureMode(Enum):
 class Precision(Enum):
     auto = "auto"  # bf16 on a GPU, fp32 on CPU
     fp32 = "fp32"
-    bf16 = "bf16"
+    bf16 = "bf16"  # DeepSpeed bf16: bf16 weights with fp32 master copies
+    amp_bf16 = "amp_bf16"  # fp32 weights and optimizer; teacher lm_head and drafter forward under bf16 autocast (CPUs with AVX512-BF16 / AMX, GPUs)
 
 
 class WandbMode(Enum):
@@ -184,6 +185,7 @@ class TrainConfig:
     temperature: float = 1.0
     jsd_beta: float = 0.5
     max_length: int = 2048  # tokens per conversation (longer ones are cut)
+    group_by_length: bool = True  # micro-batches of similar lengths (less padding); the order stays a function of (seed, epoch)
     epochs: int = 1
     max_steps: int = 0  # optimizer steps; 0 = as many as `epochs` take
     micro_batch_size: int = 4  # conversations per rank per forward

@@ -1,6 +1,8 @@
 """Training-step benchmark: the cost of one training step of the recipe's drafter, online (the frozen target
 computes features and logits in the step) and offline (features from the data job's cache), against the cost
-of the target's own forward pass over the same batch — interleaved, medians of repeats, one process.
+of the target's own forward pass over the same batch — interleaved, medians of repeats, one process. The
+`offline_step_baseline` arm is the step as it was before the draft-vocabulary teacher (full-vocabulary fp32
+teacher rows, no autocast, shuffled batches), on the same conversations: `offline_speedup_over_baseline`.
 
     python -m eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
 
@@ -63,22 +65,33 @@ def main(argv=None):
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
     optimizer = torch.optim.AdamW([p for p in drafter.module.parameters() if p.requires_grad], lr=1e-6)
-    order = offline.epoch_order(0)
-    cached = [offline.batch(order[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]) for i in range(args.batches)]
+    mb = t.micro_batch_size
+    chosen = offline.epoch_order(0)[: args.batches * mb]  # one set of conversations for every arm
+    cached = [offline.batch(chosen[i * mb:(i + 1) * mb]) for i in range(args.batches)]  # in shuffled order
+    by_length = sorted(chosen, key=lambda i: len(offline.sequences[i]))  # what train.group_by_length batches together
+    grouped = [offline.batch(by_length[i * mb:(i + 1) * mb]) for i in range(args.batches)] if t.group_by_length else cached
     online = [type(b)(b.input_ids, b.loss_mask, b.attention_mask) for b in cached]  # the same batches, no features
 
     def target_forward(batch):
         with torch.no_grad():
             target(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
 
-    def step(batch):
-        out = run_target(target, batch, layers)
-        loss = sum(p.weight * prediction_loss(p, t).total for p in drafter.predictions(drafter.module, batch, out))
+    def step(batch, teacher_ids=drafter.teacher_ids, precision=t.precision.value):
+        """One optimizer step as train.loop takes it (teacher rows, autocast)."""
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):
+            out = run_target(target, batch, layers, teacher_ids, t.temperature)
+            predictions = drafter.predictions(drafter.module, batch, out)
+        loss = sum(p.weight * prediction_loss(p, t).total for p in predictions)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    arms = {"target_forward": (target_forward, online), "online_step": (step, online), "offline_step": (step, cached)}
+    def baseline_step(batch):
+        """The step before the draft-vocabulary teacher, autocast and length grouping: full-vocabulary fp32 teacher."""
+        step(batch, None, "fp32")
+
+    arms = {"target_forward": (target_forward, cached), "online_step": (step, online),
+            "offline_step": (step, grouped), "offline_step_baseline": (baseline_step, cached)}
     times = {name: [] for name in arms}
     for _ in range(args.repeats):
         for name, (fn, batches) in arms.items():  # interleaved: a noisy machine slows every arm alike
@@ -86,12 +99,14 @@ def main(argv=None):
             for batch in batches:
                 fn(batch)
             times[name].append(time.perf_counter() - start)
-    tokens = sum(b.num_tokens for b in cached)
+    tokens = sum(b.num_tokens for b in cached)  # the same real tokens in every arm
     median = {name: statistics.median(v) for name, v in times.items()}
-    report = {"drafter": drafter.kind, "micro_batch_size": t.micro_batch_size, "tokens_per_repeat": tokens,
+    report = {"drafter": drafter.kind, "micro_batch_size": mb, "precision": t.precision.value,
+              "group_by_length": t.group_by_length, "tokens_per_repeat": tokens,
               "tokens_per_s": {name: round(tokens / s, 1) for name, s in median.items()},
               "online_step_over_target_forward": round(median["online_step"] / median["target_forward"], 3),
-              "offline_step_over_target_forward": round(median["offline_step"] / median["target_forward"], 3)}
+              "offline_step_over_target_forward": round(median["offline_step"] / median["target_forward"], 3),
+              "offline_speedup_over_baseline": round(median["offline_step_baseline"] / median["offline_step"], 3)}
     print(json.dumps(report, indent=2))
 
 

@@ -43,7 +43,7 @@ TOPICS = ["rivers", "music", "chess", "volcanoes", "bread", "trains", "bees", "g
 TINY = ["drafter.num_layers=2", "drafter.eagle.aux_layer_ids=[1,2,3]", "drafter.eagle.draft_vocab_size=1024",
         "drafter.eagle.ttt_steps=3", "drafter.medusa.num_heads=3", "train.max_length=96", "train.micro_batch_size=2",
         "train.heldout=4", "train.warmup_steps=0", "train.lr=1e-2", "train.wandb.mode=disabled",
-        "inference.max_new_tokens=12", "inference.k=3"]
+        "inference.max_new_tokens=12", "inference.k=3", "train.precision=fp32"]
 
 
 # ---------------------------------------------------------------------------------------------- fixtures

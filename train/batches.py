@@ -54,11 +54,21 @@ class TrainingData:
         self.heldout, self.train = sorted(order[:heldout]), sorted(order[heldout:])
         self.seed = seed
 
-    def epoch_order(self, epoch: int) -> List[int]:
+    def epoch_order(self, epoch: int, group: int = 1) -> List[int]:
         """Training conversations in the order of `epoch`: a function of (seed, epoch) only, so a resumed run
-        sees exactly the batches an uninterrupted one would."""
+        sees exactly the batches an uninterrupted one would. With group > 1 every run of `group` consecutive
+        conversations (one step's micro-batches over all ranks) has similar lengths: the shuffled order is cut
+        into windows of 64 groups, each window sorted by length, and the groups shuffled again — batches pad
+        little while every epoch still mixes the data."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return [self.train[i] for i in torch.randperm(len(self.train), generator=g).tolist()]
+        order = [self.train[i] for i in torch.randperm(len(self.train), generator=g).tolist()]
+        if group <= 1:
+            return order
+        window = 64 * group
+        order = [i for w in range(0, len(order), window)
+                 for i in sorted(order[w:w + window], key=lambda i: len(self.sequences[i]))]
+        groups = [order[i:i + group] for i in range(0, len(order), group)]
+        return [i for k in torch.randperm(len(groups), generator=g).tolist() for i in groups[k]]
 
     def target_tokens(self) -> List[torch.Tensor]:
         """The target-generated (loss-masked) tokens of the training split, for the EAGLE draft vocabulary."""

@@ -92,6 +92,12 @@ def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
+def autocast(t: DictConfig, device: torch.device):
+    """bf16 autocast of the teacher's lm_head and the drafter's forward with train.precision=amp_bf16: weights,
+    gradients and optimizer stay fp32; the loss upcasts the logits to fp32 itself."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision.value == "amp_bf16")
+
+
 # ------------------------------------------------------------------------------------------ objectives
 def prediction_loss(p: Prediction, t: DictConfig):
     sliced = p.draft_ids is None or p.target_lse is not None  # target rows already in the draft's vocabulary
@@ -207,12 +213,14 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         for micro in range(t.grad_accum):
             g = step * t.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed
             epoch, i = divmod(g, per_epoch)
-            order = data.epoch_order(epoch)
+            order = data.epoch_order(epoch, t.micro_batch_size * world if t.group_by_length else 1)
             start = (i * world + rank) * t.micro_batch_size
             batch = data.batch(order[start:start + t.micro_batch_size]).to(device)
-            target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
+            with autocast(t, device):
+                target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
+                predictions = drafter.predictions(engine.module, batch, target_out)
             loss = 0.0
-            for p in drafter.predictions(engine.module, batch, target_out):
+            for p in predictions:
                 out_p = prediction_loss(p, t)
                 loss = loss + p.weight * out_p.total + (p.feature_loss if p.feature_loss is not None else 0.0)
                 parts[f"loss/{p.name}"] = parts.get(f"loss/{p.name}", 0.0) + float(out_p.total.detach()) / t.grad_accum
@@ -309,8 +317,10 @@ def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig,
         if not indices:  # a rank without held-out conversations still joins the collective below
             continue
         batch = data.batch(indices).to(device)
-        teacher = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
-        for p in drafter.predictions(engine.module, batch, teacher):
+        with autocast(t, device):
+            teacher = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
+            predictions = drafter.predictions(engine.module, batch, teacher)
+        for p in predictions:
             sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, t.temperature).cpu()
     names = drafter.prediction_names
     stacked = torch.stack([sums.get(n, torch.zeros(3)) for n in names]).to(device)  # [P, 3]
