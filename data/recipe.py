@@ -185,6 +185,7 @@ class TrainConfig:
     temperature: float = 1.0
     jsd_beta: float = 0.5
     max_length: int = 2048  # tokens per conversation (longer ones are cut)
+    data_tokens: int = 0  # train on the first conversations holding this many target tokens (a scaling budget); 0 = all
     group_by_length: bool = True  # micro-batches of similar lengths (less padding); the order stays a function of (seed, epoch)
     epochs: int = 1
     max_steps: int = 0  # optimizer steps; 0 = as many as `epochs` take
@@ -276,6 +277,16 @@ class EvalConfig:
 
 
 @dataclass
+class ScalingConfig:
+    # launch/scaling.py: EAGLE-3 trained on the first `budgets` target tokens of one dataset (data.responses of the
+    # recipe), each evaluated through the real decoding loop; at `compare_budget` also on the other source
+    # (regenerated vs teacher-forced at equal tokens). 0 = no comparison.
+    budgets: List[int] = field(default_factory=lambda: [100_000, 300_000, 1_000_000, 2_000_000])
+    compare_budget: int = 100_000
+    tokens_per_conversation: int = 150  # a first guess that sizes each data job; grown until a budget is covered
+
+
+@dataclass
 class Recipe:
     output_dir: str = MISSING
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -284,6 +295,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
 
 def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:

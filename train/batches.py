@@ -3,6 +3,7 @@ per-epoch order, padded batches, and — offline mode — the cached target hidd
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +35,20 @@ class Batch:
 
 class TrainingData:
     def __init__(self, data_dir: str | Path, tokenizer, target_name: str, max_length: int, heldout: int, seed: int,
-                 feature_layers: Sequence[int] = ()):
+                 feature_layers: Sequence[int] = (), data_tokens: int = 0):
+        """data_tokens > 0: only the first conversations of the dataset, as many as it takes to reach that many
+        target-generated (loss-masked) tokens — how a scaling run trains on a prefix of one large dataset."""
         data_dir = Path(data_dir).expanduser()
         stats = data_dir / "stats.json"  # the data job's last run says how many shards make the dataset
         num_shards = json.loads(stats.read_text())["shards"] if stats.is_file() else None
         dataset = load_generated(data_dir, num_shards)
+        if data_tokens:
+            have = sum(dataset["num_response_tokens"])
+            if have < data_tokens:
+                raise SpecdrafterError(f"recipe key 'train.data_tokens' ({data_tokens}) exceeds the {have} target tokens "
+                                       f"in {str(data_dir)!r}; generate more data (data.num_conversations)")
+            reached = next(i for i, n in enumerate(itertools.accumulate(dataset["num_response_tokens"]), 1) if n >= data_tokens)
+            dataset = dataset.select(range(reached))
         for column in ("input_ids", "loss_mask"):
             if column not in dataset.column_names:
                 raise SpecdrafterError(f"dataset {str(data_dir)!r} has no {column!r} column; regenerate it with launch/generate_data.py")
@@ -124,7 +134,10 @@ def load_features(data_dir: Path, layer_ids: Sequence[int], num_conversations: i
                                    "data.hidden_states.layer_ids and rerun the data job, or set train.features=online")
         offsets = tensors["offsets"].tolist()
         for k in layer_ids:
-            out[k].extend(tensors[f"layer_{k}"][a:b][:max_length] for a, b in zip(offsets, offsets[1:]))
+            out[k].extend(tensors[f"layer_{k}"][a:b][:max_length].clone() for a, b in zip(offsets, offsets[1:]))
+        if len(out[layer_ids[0]]) >= num_conversations:  # a prefix of the dataset (train.data_tokens) needs no more
+            out = {k: rows[:num_conversations] for k, rows in out.items()}
+            break
     if not files or len(out[layer_ids[0]]) != num_conversations:
         raise SpecdrafterError(f"the hidden-state cache under {str(data_dir / 'hidden')!r} does not cover all "
                                f"{num_conversations} conversations; rerun the data job or set train.features=online")

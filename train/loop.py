@@ -177,7 +177,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     target.to(device)
     layers = needed_layers(cfg, target.config)
     data = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed,
-                        layers if t.features.value == "offline" else ())
+                        layers if t.features.value == "offline" else (), t.data_tokens)
     drafter = build_drafter(cfg, target, data, tokenizer)
 
     per_epoch = len(data.train) // (t.micro_batch_size * world)  # micro-batches per rank per epoch

@@ -1,0 +1,167 @@
+"""The τ-vs-target-tokens curve: does more target data make a drafter that accelerates decoding?
+
+    python launch/scaling.py recipes/smollm2-135m-scaling.yaml [key=value ...]
+
+For the recipe's data source (data.responses) one data job is grown, shard by shard, until it holds the largest of
+`scaling.budgets` target tokens; then, for each budget, an EAGLE-3 head is trained on the dataset's first
+conversations holding that many target tokens (train.data_tokens) and evaluated through the real decoding loop
+(eval.sets × eval.temperatures × chain at inference.k and the auto-sized dynamic tree). At `scaling.compare_budget`
+the other source is trained and evaluated too: regenerated (target) vs teacher-forced (dataset) at equal tokens.
+
+Every step is one of the project's own commands, run as a subprocess, each resuming where it stopped, so rerunning
+the same command after a kill continues the curve. After every evaluated run `scaling.json`, `scaling.md` and
+`tau_vs_tokens.png` are rewritten in output_dir: a budget still training appears as not reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
+
+log = logging.getLogger("specdrafter")
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+
+
+def command(script: str, recipe: str, overrides: List[str], *extra: str) -> None:
+    """Run one of launch/*.py with the scaling recipe plus `extra` overrides; a failure stops the curve in one line."""
+    cmd = [sys.executable, str(LAUNCH / script), recipe, *overrides, *extra]
+    log.info("$ " + " ".join(cmd[1:]))
+    done = subprocess.run(cmd)
+    if done.returncode != 0:
+        raise SpecdrafterError(f"{script} failed (exit {done.returncode}); rerun the same scaling command to resume")
+
+
+def response_tokens(data_dir: Path) -> int:
+    stats = data_dir / "stats.json"
+    return json.loads(stats.read_text())["response_tokens"] if stats.is_file() else 0
+
+
+def ensure_data(cfg: DictConfig, recipe: str, overrides: List[str], source: str, tokens: int, data_dir: Path) -> int:
+    """Grow the data job of `source` until it holds `tokens` target tokens (whole shards are kept on each rerun)."""
+    per_conversation = cfg.scaling.tokens_per_conversation
+    conversations = 0
+    while (have := response_tokens(data_dir)) < tokens:
+        stats = json.loads((data_dir / "stats.json").read_text()) if have else None
+        if stats:  # the measured tokens per conversation size the next step
+            per_conversation = max(1.0, have / stats["conversations"])
+            if stats["conversations"] < conversations:  # the prompt set is exhausted
+                raise SpecdrafterError(f"{data_dir} holds {have} target tokens, fewer than the {tokens} asked, and the "
+                                       "prompt set has no more conversations; lower scaling.budgets")
+        shard = cfg.data.shard_size
+        conversations = max(conversations + shard, math.ceil(tokens * 1.05 / per_conversation / shard) * shard)
+        command("generate_data.py", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
+                f"data.num_conversations={conversations}")
+    return response_tokens(data_dir)
+
+
+def summarise(results: Path) -> Dict[str, dict]:
+    """{ "<set>|T=<t>|<verifier>": {tau, alpha, speedup, ...} } from an eval job's results.json (newest checkpoint)."""
+    data = json.loads(results.read_text())
+    out = {}
+    for c in data["cells"]:
+        if c["sweep"] or c["verifier"] == "asd":
+            continue
+        out[f"{c['set']}|T={c['temperature']:g}|{c['verifier']}"] = {
+            k: c.get(k) for k in ("tau", "alpha", "speedup", "predicted_speedup", "k_used", "mean_tree_size")}
+    return out
+
+
+def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
+    out = Path(cfg.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    s = cfg.scaling
+    main_source = cfg.data.responses.value
+    if main_source == "mix":
+        raise SpecdrafterError("recipe key 'data.responses': a scaling curve needs one source (target or dataset), not mix")
+    if not s.budgets or any(b <= 0 for b in s.budgets):
+        raise SpecdrafterError(f"recipe key 'scaling.budgets' must list positive token counts, got {list(s.budgets)}")
+    other = "target" if main_source == "dataset" else "dataset"
+    runs = [(main_source, b) for b in sorted(s.budgets)]
+    if s.compare_budget:
+        runs += [(other, s.compare_budget)]
+        if s.compare_budget not in s.budgets:
+            runs += [(main_source, s.compare_budget)]
+    report_path = out / "scaling.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {"runs": {}}
+    report["settings"] = {"budgets": sorted(s.budgets), "compare_budget": s.compare_budget, "source": main_source,
+                          "sets": list(cfg.eval.sets), "temperatures": list(cfg.eval.temperatures),
+                          "epochs": cfg.train.epochs, "k": cfg.inference.k}
+    for source, budget in sorted(runs, key=lambda r: (r[1], r[0] != main_source)):
+        name = f"{source}-{budget}"
+        data_dir = out / f"data-{source}"
+        ensure_data(cfg, recipe, overrides, source, budget, data_dir)
+        run_dir = out / name
+        command("train_eagle.py", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
+                f"train.data_tokens={budget}")
+        newest = complete_checkpoints(run_dir / "checkpoints")[-1]
+        state = json.loads((newest / "trainer_state.json").read_text())
+        command("eval_acceptance.py", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
+                f"eval.output_dir={run_dir / 'eval'}", "eval.k_sweep=[]", "eval.verifiers=[chain,tree]")
+        report["runs"][name] = {"source": source, "budget": budget, "step": state["step"],
+                                "tokens_seen": state["tokens"], "heldout": state.get("metrics"),
+                                "cells": summarise(run_dir / "eval" / "results.json")}
+        atomic_write_json(report_path, report)
+        write_scaling_report(report, out)
+    return out
+
+
+def write_scaling_report(report: dict, out: Path) -> None:
+    """scaling.md (a table per budget and source) and tau_vs_tokens.png (τ against target tokens, log x)."""
+    runs = report["runs"]
+    st = report["settings"]
+    keys = sorted({k for r in runs.values() for k in r["cells"]})
+    lines = ["# τ against target tokens (EAGLE-3)", "",
+             f"Source of the curve: `{st['source']}`; budgets {', '.join(f'{b:,}' for b in st['budgets'])} target tokens; "
+             f"{st['epochs']} epoch(s) each; chain at k = {st['k']} and the auto-sized dynamic tree (`tree`).", "",
+             "| run | target tokens | steps | " + " | ".join(f"τ {k}" for k in keys) + " |",
+             "|---|---|---|" + "---|" * len(keys)]
+    for name, r in sorted(runs.items(), key=lambda kv: (kv[1]["budget"], kv[1]["source"])):
+        cells = " | ".join(f"{r['cells'][k]['tau']:.2f}" if k in r["cells"] else "–" for k in keys)
+        lines.append(f"| {name} | {r['budget']:,} | {r['step']} | {cells} |")
+    missing = [b for b in st["budgets"] if f"{st['source']}-{b}" not in runs]
+    if missing:
+        lines += ["", f"Not reached yet: {', '.join(f'{b:,}' for b in missing)} target tokens (rerun the same command to continue)."]
+    speed = [k for k in keys if k.endswith("|chain") and "T=0|" in k]
+    if speed:
+        lines += ["", "Decode speedup over target-only (drift-corrected), chain at T = 0:", "",
+                  "| run | " + " | ".join(speed) + " |", "|---|" + "---|" * len(speed)]
+        for name, r in sorted(runs.items(), key=lambda kv: (kv[1]["budget"], kv[1]["source"])):
+            lines.append(f"| {name} | " + " | ".join(
+                f"{r['cells'][k]['speedup']:.2f}×" if k in r["cells"] and r["cells"][k]["speedup"] else "–" for k in speed) + " |")
+    atomic_write_text(out / "scaling.md", "\n".join(lines) + "\n")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, verifier in zip(axes, ("chain", "tree")):
+        for key in [k for k in keys if k.endswith("|" + verifier)]:
+            points = sorted((r["budget"], r["cells"][key]["tau"]) for r in runs.values()
+                            if r["source"] == st["source"] and key in r["cells"])
+            if points:
+                ax.plot(*zip(*points), marker="o", label=key.rsplit("|", 1)[0])
+            other = [(r["budget"], r["cells"][key]["tau"]) for r in runs.values()
+                     if r["source"] != st["source"] and key in r["cells"]]
+            if other:
+                ax.scatter(*zip(*other), marker="x", color=ax.lines[-1].get_color() if ax.lines else None)
+        ax.set_xscale("log")
+        ax.set_xlabel("target tokens trained on")
+        ax.set_title(f"{verifier} (× = the other source at equal tokens)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("τ (tokens per target pass)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    tmp = out / ".tau_vs_tokens.png.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out / "tau_vs_tokens.png")

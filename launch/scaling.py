@@ -1,0 +1,23 @@
+"""The τ-vs-target-tokens curve of EAGLE-3 (eval/scaling.py): data, training and evaluation per budget.
+
+    nohup python launch/scaling.py recipes/smollm2-135m-scaling.yaml > scaling.log 2>&1 &
+
+Hours on a laptop CPU: run it in the background; rerunning the same command resumes every step. The report
+(scaling.md, tau_vs_tokens.png, scaling.json) is rewritten in output_dir after every evaluated budget.
+"""
+
+import logging
+import sys
+
+from data.recipe import cli
+from eval.scaling import run_scaling
+
+
+def main(cfg):
+    out = run_scaling(cfg, sys.argv[1], [a for a in sys.argv[2:] if "=" in a])
+    print(f"report: {out / 'scaling.md'}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli(main)

@@ -1,0 +1,54 @@
+"""launch/scaling.py end to end on a tiny target: the data jobs grow to cover the budgets, one EAGLE-3 run per budget
+(and the other source at the compare budget) trains on the right prefix, each is evaluated through the decoding loop,
+the report is written, and a rerun does no work twice."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me a short fact about the number {i}."},
+                                             {"from": "gpt", "value": f"The number {i} is {'even' if i % 2 == 0 else 'odd'}, "
+                                                                      "and that is a fact worth knowing."}]}
+            for i in range(40)]
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "scaling"
+    cmd = [sys.executable, str(REPO / "launch" / "scaling.py"), str(REPO / "recipes" / "smollm2-135m-scaling.yaml"),
+           f"output_dir={out}", f"target.model={tiny_target}", f"data.prompts={prompts}", "data.exclude=[]",
+           "data.max_new_tokens=16", "data.shard_size=4", "data.batch_size=4", "data.min_prompt_tokens=3",
+           "data.hidden_states.layer_ids=[0,1,2]", "data.hidden_states.dtype=float32",
+           "drafter.eagle.aux_layer_ids=[0,1,2]", "drafter.eagle.draft_vocab_size=256", "drafter.eagle.ttt_steps=2",
+           "train.epochs=1", "train.micro_batch_size=2", "train.heldout=2", "train.precision=fp32", "train.max_length=96",
+           f"eval.sets=[{prompts}]", "eval.num_prompts=1", "eval.max_new_tokens=6", "eval.temperatures=[0]",
+           "inference.dynamic_tree.total_tokens=4", "inference.dynamic_tree.depth=2", "inference.dynamic_tree.top_k=2",
+           "scaling.budgets=[120,240]", "scaling.compare_budget=120", "scaling.tokens_per_conversation=10"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "scaling.json").read_text())
+    assert sorted(report["runs"]) == ["dataset-120", "dataset-240", "target-120"]
+    for name, run in report["runs"].items():
+        assert set(run["cells"]) == {f"chat|T=0|chain", f"chat|T=0|tree"}
+        assert all(c["tau"] >= 1 for c in run["cells"].values())
+        recipe = (out / name / "recipe.yaml").read_text()
+        assert f"data_tokens: {run['budget']}" in recipe and f"data-{run['source']}" in recipe
+    sources = {s: datasets.load_from_disk(str(next((out / f"data-{s}" / "shards").glob("shard-*"))))["source"][0]
+               for s in ("dataset", "target")}
+    assert sources == {"dataset": "dataset", "target": "target"}
+    dataset_stats = json.loads((out / "data-dataset" / "stats.json").read_text())
+    assert dataset_stats["response_tokens"] >= 240
+    # the budgets differ in the data they saw: the larger run trained on more tokens per epoch
+    assert report["runs"]["dataset-240"]["tokens_seen"] > report["runs"]["dataset-120"]["tokens_seen"]
+    assert (out / "scaling.md").is_file() and (out / "tau_vs_tokens.png").stat().st_size > 0
+    assert "dataset-240" in (out / "scaling.md").read_text()
+
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoints/*/trainer_state.json")}
+    again = subprocess.run(cmd, capture_output=True, text=True)  # a rerun: every step finds its work done
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoints/*/trainer_state.json")} == stamps
