@@ -21,7 +21,7 @@ DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
 
 def recipe(out, target, prompts, *extra):
     return load_recipe(DATA_RECIPE, [f"output_dir={out}", f"target.model={target}", f"data.prompts={prompts}",
-                                     "data.num_conversations=8", "data.shard_size=3", "data.batch_size=3",
+                                     "data.responses=target", "data.num_conversations=8", "data.shard_size=3", "data.batch_size=3",
                                      "data.min_prompt_tokens=3", "data.max_prompt_tokens=64", "data.max_new_tokens=12",
                                      "data.hidden_states.layer_ids=[]", *extra])
 

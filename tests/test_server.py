@@ -1,6 +1,7 @@
 """Serving-engine client against real `transformers serve` processes (SmolLM2 on CPU, fp32): greedy replies equal
 `model.generate`, the probe switches sampling on and refuses other tokenizers, dead servers are dropped."""
 
+import json
 import os
 import socket
 import subprocess
@@ -252,3 +253,30 @@ def test_engine_rejects_a_malformed_url(smollm2_tokenizer):
     with pytest.raises(SpecdrafterError) as e:
         ServerEngine(["gpu-1:8000"], 1, smollm2_tokenizer)
     assert "'gpu-1:8000' is not an http(s) URL" in one_line(e)
+
+
+def test_data_job_through_the_server_writes_the_in_process_engines_shards(url, smollm2_dir, tmp_path):
+    """The data job end to end through a real server: greedy two-turn conversations land in shards with the same
+    columns, token ids, loss masks and messages as the in-process engine's, and stats.json records the server."""
+    import datasets
+
+    from data.generate import generate_dataset, load_generated
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"c{i}", "turns": [t, "Say it again in other words."]}) + "\n"
+                               for i, t in enumerate(["Reply in one word: what colour is the sky?",
+                                                      "Name one planet.", "Say only: hello."])))
+    common = [f"target.model={smollm2_dir}", f"data.prompts={prompts}", "data.responses=target", "data.exclude=[]",
+              "data.num_conversations=3", "data.shard_size=2", "data.max_turns=2", "data.temperature=0",
+              "data.max_new_tokens=12", "data.min_prompt_tokens=3", "data.hidden_states.layer_ids=[]"]
+    stats = {}
+    for engine, extra in (("hf", []), ("server", ["data.engine=server", f"data.servers=[{url}]", "data.concurrency=2"])):
+        stats[engine] = generate_dataset(load_recipe(DATA_RECIPE, [f"output_dir={tmp_path / engine}", *common, *extra]))
+    hf, served = load_generated(tmp_path / "hf"), load_generated(tmp_path / "server")
+    assert hf.column_names == served.column_names and hf.features == served.features
+    assert [p.name for p in sorted((tmp_path / "hf" / "shards").iterdir())] == \
+        [p.name for p in sorted((tmp_path / "server" / "shards").iterdir())]
+    assert hf.to_dict() == served.to_dict()  # greedy: the same target gives the same conversations
+    assert max(hf["num_turns"]) == 2
+    assert stats["server"]["this_run"]["engine"]["requests"] >= 3
+    assert stats["server"]["response_tokens"] == stats["hf"]["response_tokens"]
+    assert isinstance(datasets.load_from_disk(str(next((tmp_path / "server" / "shards").iterdir()))), datasets.Dataset)

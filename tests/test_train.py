@@ -71,6 +71,7 @@ def data_dir(tmp_path_factory, peaky_target) -> Path:
     out = root / "data"
     generate_dataset(load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", [
         f"output_dir={out}", f"target.model={peaky_target}", f"data.prompts={prompts}", "data.num_conversations=24",
+        "data.responses=target", "data.max_prompt_tokens=128",
         "data.min_prompt_tokens=3", "data.max_new_tokens=24", "data.batch_size=8", "data.shard_size=12",
         "data.hidden_states.layer_ids=[1,2,3,4]", "data.hidden_states.dtype=float32"]))
     return out
