@@ -123,11 +123,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
     if top_p >= 1:
         cdf = probs.cumsum(-1)  # [B, V]
-        u = torch.rand(len(probs), 1, generator=generator) * cdf[:, -1:]  # [B, 1]
+        u = torch.rand(len(probs), 1, generator=generator).to(cdf) * cdf[:, -1:]  # [B, 1]
         return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)[:, 0]
     top, ids = torch.topk(probs, min(64, probs.shape[-1]), dim=-1)  # [B, K] descending
     short = top.sum(-1) < top_p  # [B] rows whose nucleus may reach beyond the 64 best tokens
-    token = torch.empty(len(probs), dtype=torch.long)
+    token = torch.empty(len(probs), dtype=torch.long, device=logits.device)
     token[~short] = draw_from_nucleus(top[~short], ids[~short], top_p, generator)
     if short.any():
         token[short] = draw_from_nucleus(*torch.sort(probs[short], dim=-1, descending=True), top_p, generator)
@@ -139,7 +139,7 @@ def draw_from_nucleus(top: torch.Tensor, ids: torch.Tensor, top_p: float,
     """A draw per row from probabilities top [B, K] (descending; token ids ids [B, K]) cut to the top-p nucleus."""
     kept = torch.where(top.cumsum(-1) - top < top_p, top, 0.0)  # [B, K] the nucleus, unnormalised
     cdf = kept.cumsum(-1)  # [B, K]
-    u = torch.rand(len(top), 1, generator=generator) * cdf[:, -1:]  # [B, 1]
+    u = torch.rand(len(top), 1, generator=generator).to(cdf) * cdf[:, -1:]  # [B, 1] (the generator may live on the CPU)
     pick = torch.searchsorted(cdf, u, right=True).clamp_max(kept.shape[-1] - 1)  # [B, 1]
     return ids.gather(-1, pick)[:, 0]  # [B]
 
@@ -154,7 +154,8 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
 
     Returns each response's token ids up to and including the first EOS (no EOS if max_new_tokens was hit), in
     input order. `on_batch(num_prompts, num_new_tokens)` is called after every batch (progress reporting)."""
-    eos_t = torch.tensor(list(eos))
+    device = model.device
+    eos_t = torch.tensor(list(eos), device=device)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     responses: List[List[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
@@ -165,11 +166,12 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
         for row, i in enumerate(batch):  # left padding: the last prompt token of every row is at T-1
             input_ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             attention_mask[row, width - len(prompts[i]):width] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask[:, :width].cumsum(-1) - 1).clamp_min(0)  # [B, T]
         cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)  # filled in place: no growing copies
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-        rows = torch.tensor(batch)  # [B] which prompt each batch row answers
+        rows = torch.tensor(batch, device=device)  # [B] which prompt each batch row answers
         positions = position_ids[:, -1:]  # [B, 1]
         for step in range(max_new_tokens):
             token = sample_tokens(logits, temperature, top_p, generator)  # [B]
@@ -183,7 +185,7 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
                 keep_cache_rows(cache, keep)
                 rows, token, positions, attention_mask = rows[keep], token[keep], positions[keep], attention_mask[keep]
             positions = positions + 1
-            attention_mask[torch.arange(len(rows)), width + step] = 1  # this step's token
+            attention_mask[:, width + step] = 1  # this step's token
             logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=positions,
                            past_key_values=cache, use_cache=True).logits[:, -1]  # [B', V]
         if on_batch is not None:
