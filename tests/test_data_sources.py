@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import small_data_recipe
 from data.generate import chat_ids, generate_dataset, generate_responses, load_generated, sample_tokens
 from data.recipe import load_recipe
 from inference.sampling import SamplingParams, sampling_probs
@@ -19,11 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
 
 
-def recipe(out, target, prompts, *extra):
-    return load_recipe(DATA_RECIPE, [f"output_dir={out}", f"target.model={target}", f"data.prompts={prompts}",
-                                     "data.responses=target", "data.num_conversations=8", "data.shard_size=3", "data.batch_size=3",
-                                     "data.min_prompt_tokens=3", "data.max_prompt_tokens=64", "data.max_new_tokens=12",
-                                     "data.hidden_states.layer_ids=[]", *extra])
+recipe = small_data_recipe
 
 
 def chat_rows(n: int, with_answers=True):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import tiny_llama_config
+from conftest import small_data_recipe, tiny_llama_config
 from data.assets import load_target
 from data.generate import check_free_space, generate_dataset, generate_responses, load_generated
 from data.io import SpecdrafterError
@@ -25,11 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
 
 
-def recipe(out, target, prompts, *extra):
-    return load_recipe(DATA_RECIPE, [f"output_dir={out}", f"target.model={target}", f"data.prompts={prompts}",
-                                     "data.responses=target", "data.num_conversations=8", "data.shard_size=3", "data.batch_size=3",
-                                     "data.min_prompt_tokens=3", "data.max_prompt_tokens=64", "data.max_new_tokens=12",
-                                     "data.hidden_states.layer_ids=[]", *extra])
+recipe = small_data_recipe
 
 
 def shard_rows(out):
