@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import StaticCache
+from transformers import DynamicCache
 
 from data.assets import load_prompt_set, load_target
 from data.features import capture_features, check_layer_ids
@@ -162,13 +162,13 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
         batch = order[start:start + batch_size]
         width = max(len(prompts[i]) for i in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)  # [B, T]
-        attention_mask = torch.zeros((len(batch), width + max_new_tokens), dtype=torch.long)  # [B, T + new], the cache's length
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
         for row, i in enumerate(batch):  # left padding: the last prompt token of every row is at T-1
             input_ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            attention_mask[row, width - len(prompts[i]):width] = 1
+            attention_mask[row, width - len(prompts[i]):] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask[:, :width].cumsum(-1) - 1).clamp_min(0)  # [B, T]
-        cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)  # filled in place: no growing copies
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [B, T]
+        cache = DynamicCache()
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         rows = torch.tensor(batch, device=device)  # [B] which prompt each batch row answers
@@ -182,23 +182,15 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
                 break
             if done.any():  # finished rows leave the batch and the cache
                 keep = (~done).nonzero()[:, 0]  # [B']
-                keep_cache_rows(cache, keep)
+                cache.batch_select_indices(keep)
                 rows, token, positions, attention_mask = rows[keep], token[keep], positions[keep], attention_mask[keep]
             positions = positions + 1
-            attention_mask[:, width + step] = 1  # this step's token
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)  # [B', S+1]
             logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=positions,
                            past_key_values=cache, use_cache=True).logits[:, -1]  # [B', V]
         if on_batch is not None:
             on_batch(len(batch), sum(len(responses[i]) for i in batch))
     return responses
-
-
-def keep_cache_rows(cache: StaticCache, keep: torch.Tensor) -> None:
-    """Keep only batch rows `keep` of a static cache (transformers' StaticLayer has no batch_select_indices)."""
-    for layer in cache.layers:
-        if getattr(layer, "is_initialized", False):
-            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-            layer.batch_size = len(keep)
 
 
 def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_tokens: int, temperature: float,
