@@ -5,11 +5,10 @@
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from conftest import small_data_recipe
 from data.generate import chat_ids, generate_dataset, generate_responses, load_generated, sample_tokens

@@ -19,7 +19,6 @@ from conftest import small_data_recipe, tiny_llama_config
 from data.assets import load_target
 from data.generate import check_free_space, generate_dataset, generate_responses, load_generated
 from data.io import SpecdrafterError
-from data.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
