@@ -178,9 +178,9 @@ class WandbConfig:
 class TrainConfig:
     data_dir: Optional[str] = None  # the data job's output_dir (shards/ + hidden/)
     features: FeatureMode = FeatureMode.online
-    # Distillation objective: weights over tv, fkl, rkl, jsd, soft_ce (ALGORITHMS.md §7), at `temperature`
-    # (match the temperature the drafter will serve at). Empty = {soft_ce: 1}. Entries merge across the recipe
-    # and overrides, so switch with e.g. train.objective.soft_ce=0 train.objective.tv=1.
+    # Distillation objective: weights over tv, fkl, rkl, jsd, soft_ce (docs/algorithms.md §Objectives), at
+    # `temperature` (match the temperature the drafter will serve at). Empty = {soft_ce: 1}. Entries merge across
+    # the recipe and overrides, so switch with e.g. train.objective.soft_ce=0 train.objective.tv=1.
     objective: Dict[str, float] = field(default_factory=dict)
     temperature: float = 1.0
     jsd_beta: float = 0.5

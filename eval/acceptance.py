@@ -1,6 +1,6 @@
-"""Acceptance statistics of decoding runs (per-token α, the per-position curve) and the seed's speedup formula,
-shared by the evaluation job (eval/job.py) and the decode benchmark (eval/bench_decode.py). The cost measurements
-the formula needs (v(n)) live in inference/autotune.py."""
+"""Acceptance statistics of decoding runs (per-token α, the per-position curve) and the speedup formula
+(docs/algorithms.md §Speedup model), shared by the evaluation job (eval/job.py) and the decode benchmark
+(eval/bench_decode.py). The cost measurements the formula needs (v(n)) live in inference/autotune.py."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def alpha_per_token(cycles: List[CycleStats]) -> float:
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
-    """The seed's formula (ALGORITHMS.md §1): E[tokens per cycle] = (1 − α^(k+1)) / (1 − α) over the cycle's cost
-    v(k+1) + k·c, both in target steps."""
+    """The closed form (docs/algorithms.md §Speedup model): E[tokens per cycle] = (1 − α^(k+1)) / (1 − α) over
+    the cycle's cost v(k+1) + k·c, both in target steps."""
     tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
     return tokens / (v + k * c)
 

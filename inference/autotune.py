@@ -1,10 +1,10 @@
 """Choosing the block length k from measurements (`inference.k: auto`).
 
-The seed's cost model (ALGORITHMS.md §1) with per-position acceptance instead of one α: drafting k tokens and
-verifying them yields E[tokens | k] = 1 + Σ_{j=1..k} Π_{i≤j} a_i tokens per cycle, where a_i = P(draft i accepted
-| drafts 1..i−1 accepted), at a cost of v(k+1) + k·c target steps (v(n): a target pass over n tokens ÷ one token,
-c: one draft step ÷ one target step). The tuner keeps running estimates of every a_i and of c from the cycles it
-has seen and picks, before each cycle, the k that maximises E[tokens | k] / (v(k+1) + k·c).
+The cost model of docs/algorithms.md §Speedup model, with per-position acceptance instead of one α: drafting k
+tokens and verifying them yields E[tokens | k] = 1 + Σ_{j=1..k} Π_{i≤j} a_i tokens per cycle, where a_i = P(draft i
+accepted | drafts 1..i−1 accepted), at a cost of v(k+1) + k·c target steps (v(n): a target pass over n tokens ÷ one
+token, c: one draft step ÷ one target step). The tuner keeps running estimates of every a_i and of c from the cycles
+it has seen and picks, before each cycle, the k that maximises E[tokens | k] / (v(k+1) + k·c).
 
 Exactness is untouched: k is a function of past cycles only, never of the current draws.
 """

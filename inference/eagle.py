@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head (ALGORITHMS.md §5) and the proposers that decode with it.
+"""EAGLE-3 draft head (docs/algorithms.md §EAGLE) and the proposers that decode with it.
 
 The head reads target features — the inputs to three target layers (low, middle, high), concatenated and
 fused by `fc` (3·d_t → d) — and, for each position t, the embedding of the next token x_{t+1}; its one decoder
@@ -6,9 +6,9 @@ layer attends over concat(norm(embedding), norm(hidden)) and its output hidden s
 `norm` and a pruned `lm_head` over the draft vocabulary (target id = i + d2t[i]). Later draft steps feed the
 head's own output hidden state instead of the target's feature.
 
-The module's parameter names are the SGLang / vLLM "HF-style" EAGLE-3 names (FORMATS.md), so a checkpoint
-folder is config.json + model.safetensors that those engines load unchanged. The head borrows the target's
-token embedding at run time; it is not part of the checkpoint.
+The module's parameter names are the SGLang / vLLM "HF-style" EAGLE-3 names (docs/formats.md §EAGLE-3), so a
+checkpoint folder is config.json + model.safetensors that those engines load unchanged. The head borrows the
+target's token embedding at run time; it is not part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -173,10 +173,10 @@ EAGLE1_ARCH = "LlamaForCausalLMEagle"  # SGLang's EAGLE(-1/-2) head class
 
 
 class Eagle1Head(nn.Module):
-    """EAGLE-1 (ALGORITHMS.md §5): fc(concat(feature f_t, embedding of x_{t+1})) → one Llama decoder layer →
-    f̂_{t+1}, the predicted next feature (the target's last-layer output, pre-norm); its logits come from the
-    target's own final norm and lm_head, borrowed at run time (`attach`), so the head has the full vocabulary.
-    Later draft steps feed f̂ back as the feature."""
+    """EAGLE-1 (docs/algorithms.md §EAGLE): fc(concat(feature f_t, embedding of x_{t+1})) → one Llama decoder layer
+    → f̂_{t+1}, the predicted next feature (the target's last-layer output, pre-norm); its logits come from the
+    target's own final norm and lm_head, borrowed at run time (`attach`), so the head has the full vocabulary. Later
+    draft steps feed f̂ back as the feature."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -216,7 +216,7 @@ class Eagle1Head(nn.Module):
         if not self._target_head:
             raise SpecdrafterError("an EAGLE-1 head needs its target's norm and lm_head: call head.attach(target)")
         norm, lm_head = self._target_head
-        return lm_head(norm(hidden))  # [..., V]
+        return lm_head(norm(hidden).to(lm_head.weight.dtype))  # [..., V]
 
 
 def eagle1_config(target_config) -> LlamaConfig:
@@ -315,10 +315,11 @@ class EagleProposer:
 
 
 class EagleTreeProposer(EagleProposer):
-    """EAGLE-2 dynamic tree drafted by the EAGLE-3 head (ALGORITHMS.md §5), with `DynamicTreeProposer`'s
-    selection rules: score = cumulative draft log-prob (log-softmax over the draft vocabulary) along the path;
-    each depth, every frontier node proposes its top_k children, the top_k of those k² become the next frontier;
-    the tree is the `total_tokens` best nodes overall (closed under ancestors; ties towards shallower nodes).
+    """EAGLE-2 dynamic tree drafted by the EAGLE-3 head (docs/algorithms.md §Dynamic trees), with
+    `DynamicTreeProposer`'s selection rules: score = cumulative draft log-prob (log-softmax over the draft
+    vocabulary) along the path; each depth, every frontier node proposes its top_k children, the top_k of those k²
+    become the next frontier; the tree is the `total_tokens` best nodes overall (closed under ancestors; ties
+    towards shallower nodes).
 
     A frontier node at depth d is fed as the pair (output hidden state of its parent — for d = 1 the last output
     of `feed_pending` —, embedding of its token) at position cached + d − 1, seeing the committed pairs and its

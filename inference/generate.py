@@ -1,7 +1,7 @@
 """The speculative generation loop (batch size 1): draft → verify → commit → roll back both caches.
 
 Target cache invariant: it holds every committed token except the newest one. Each cycle feeds
-[newest_committed, d_1, ..., d_k] so row i-1 scores d_i and row k is the bonus row (ALGORITHMS.md §0).
+[newest_committed, d_1, ..., d_k] so row i-1 scores d_i and row k is the bonus row (docs/algorithms.md §Conventions).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Medusa heads (ALGORITHMS.md §4), the proposers that draft with them, and the typical-acceptance loop.
+"""Medusa heads (docs/algorithms.md §Medusa), the proposers that draft with them, and the typical-acceptance loop.
 
 Offsets. The heads read the target's last hidden state *after* the final norm (the input to its lm_head),
 h_t at position t. The target's lm_head on h_t predicts x_{t+1}; Medusa head i (0-based) predicts x_{t+i+2}.
@@ -7,7 +7,7 @@ arrive for exactly those positions, so with n committed tokens the newest featur
 lm_head prediction is committed[-1] (already known) and head i drafts the token at position n + i, i.e.
 draft token i + 1. A chain of k tokens uses heads 0..k-1; a tree node at depth d is a token of head d - 1.
 
-Checkpoints use vLLM's Medusa layout (FORMATS.md): config.json with `architectures: ["MedusaModel"]`,
+Checkpoints use vLLM's Medusa layout (docs/formats.md §Medusa): config.json with `architectures: ["MedusaModel"]`,
 `model_type: "medusa"`, `num_heads`, `num_hidden_layers` (ResBlocks per head), `hidden_size`, `vocab_size`,
 `medusa_fc_bias`; weights `blocks.{i}.layers.{j}.weight/.bias` and `lm_heads.{i}.weight`.
 """
@@ -219,7 +219,7 @@ def typical_inputs(paths: list[list[int]], tokens: torch.Tensor,
 def typical_generate(target: nn.Module, proposer: MedusaTreeProposer, prompt_ids: Sequence[int], max_new_tokens: int,
                      temperature: float, eps: float = 0.09, delta: float = 0.3, eos_token_ids: Sequence[int] = (),
                      generator: torch.Generator | None = None) -> GenerationResult:
-    """Medusa's typical-acceptance decoding (lossy, ALGORITHMS.md §4): one tree pass per cycle, the longest
+    """Medusa's typical-acceptance decoding (lossy, docs/algorithms.md §Medusa): one tree pass per cycle, the longest
     typical prefix among the leaf paths (ties: highest Σ log p), then a token sampled from the next row.
     At temperature 0 a token is typical iff it is the argmax, so the output equals greedy decoding."""
     if temperature < 0:

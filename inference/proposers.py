@@ -140,10 +140,10 @@ class DraftModelTreeProposer(DraftModelProposer):
 
 
 class DynamicTreeProposer(DraftModelProposer):
-    """EAGLE-2 dynamic tree drafted by a draft model (ALGORITHMS.md §5): score = cumulative draft log-prob along
-    the path. Each depth, every frontier node proposes its top_k children; the top_k of those k² become the next
-    frontier; every proposed node is remembered. The tree is the `total_tokens` best nodes overall — closed
-    under ancestors since scores only fall along a path (ties broken towards shallower nodes)."""
+    """EAGLE-2 dynamic tree drafted by a draft model (docs/algorithms.md §Dynamic trees): score = cumulative draft
+    log-prob along the path. Each depth, every frontier node proposes its top_k children; the top_k of those k²
+    become the next frontier; every proposed node is remembered. The tree is the `total_tokens` best nodes overall —
+    closed under ancestors since scores only fall along a path (ties broken towards shallower nodes)."""
 
     def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60, tuner=None):
         if min(depth, top_k, total_tokens) < 1:

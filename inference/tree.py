@@ -1,4 +1,4 @@
-"""Token trees for tree verification (ALGORITHMS.md §3).
+"""Token trees for tree verification (docs/algorithms.md §Token trees).
 
 Node 0 is the root (the newest committed token); nodes 1..N follow breadth-first, each after its parent.
 A tree's shape is `parents` (parents[0] = -1). Static trees come from Medusa-style choice lists; the draft

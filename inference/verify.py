@@ -79,7 +79,7 @@ class RegretLedger:
 
 def verify_asd(draft_tokens: torch.Tensor, target_logits: torch.Tensor, ledger: RegretLedger, gate: float,
                max_mismatches: int) -> Verdict:
-    """Approximate speculative decoding (greedy only; lossy by design, ALGORITHMS.md §6).
+    """Approximate speculative decoding (greedy only; lossy by design, docs/algorithms.md §ASD).
 
     Regret of draft token x_i: r_i = max_v z_i(v) - z_i(x_i) on raw logits z. Exact matches are free. A
     mismatch is accepted only if it passes all three gates:
@@ -131,7 +131,8 @@ def verify_tree_greedy(parents: Sequence[int], node_tokens: torch.Tensor, target
 def verify_tree_sampling(parents: Sequence[int], node_tokens: torch.Tensor, target_probs: torch.Tensor,
                          draft_probs: Optional[torch.Tensor], mode: str,
                          generator: Optional[torch.Generator] = None) -> TreeVerdict:
-    """Exact tree verification at T > 0 (ALGORITHMS.md §2): the emitted tokens are distributed exactly as p.
+    """Exact tree verification at T > 0 (docs/algorithms.md §Tree verification): the emitted tokens are
+    distributed exactly as p.
 
     At a node, r := p (the node's target row); its children are tried in order:
       "iid"            children drawn i.i.d. from q (SpecInfer): accept c if U·q(c) <= r(c), else

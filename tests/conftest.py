@@ -44,7 +44,8 @@ def small_data_recipe(out, target, prompts, *extra):
     """The data recipe shrunk for tests: 8 regenerated conversations of ≤ 12 new tokens, shards of 3, no hidden states."""
     from data.recipe import load_recipe
     return load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", [
-        f"output_dir={out}", f"target.model={target}", f"data.prompts={prompts}", "data.responses=target",
+        f"output_dir={out}", f"target.model={target}", "target.dtype=float32", f"data.prompts={prompts}",
+        "data.responses=target",
         "data.num_conversations=8", "data.shard_size=3", "data.batch_size=3", "data.min_prompt_tokens=3",
         "data.max_prompt_tokens=64", "data.max_new_tokens=12", "data.hidden_states.layer_ids=[]", *extra])
 

@@ -19,7 +19,7 @@ from inference.sampling import SamplingParams
 def test_expected_tokens_is_one_plus_the_survival_sum():
     assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens([0.8, 0.5], 1) == pytest.approx(1.8)
-    a = 0.7  # constant acceptance: the seed's closed form (1 − α^(k+1)) / (1 − α)
+    a = 0.7  # constant acceptance: the closed form of docs/algorithms.md §Speedup model (1 − α^(k+1)) / (1 − α)
     assert expected_tokens([a] * 5, 5) == pytest.approx((1 - a ** 6) / (1 - a))
 
 

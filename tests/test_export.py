@@ -1,7 +1,7 @@
 """Export (train/export.py, launch/export.py) on a tiny random Llama with SmolLM2's tokenizer: each format's config
-fields and tensor names exactly as FORMATS.md lists them, the round trip back to our inference module with identical
-draft logits and greedy decoding, SGLang's shifted aux-layer ids, the model card, no local paths or tokens in any
-exported file, and one-line refusals of bad input and failed pushes (with the local export left intact)."""
+fields and tensor names exactly as docs/formats.md lists them, the round trip back to our inference module with
+identical draft logits and greedy decoding, SGLang's shifted aux-layer ids, the model card, no local paths or tokens
+in any exported file, and one-line refusals of bad input and failed pushes (with the local export left intact)."""
 
 import hashlib
 import json

@@ -115,7 +115,7 @@ def test_changed_settings_refuse_to_mix_with_old_shards(tmp_path, tiny_target, p
 
 def test_kill_9_loses_at_most_the_shard_in_progress(tmp_path, tiny_target, prompt_file):
     args = [sys.executable, str(REPO / "launch" / "generate_data.py"), str(DATA_RECIPE), f"output_dir={tmp_path}",
-            f"target.model={tiny_target}", f"data.prompts={prompt_file}", "data.num_conversations=20",
+            f"target.model={tiny_target}", "target.dtype=float32", f"data.prompts={prompt_file}", "data.num_conversations=20",
             "data.responses=target", "data.shard_size=1", "data.batch_size=1", "data.min_prompt_tokens=3", "data.max_new_tokens=48",
             "data.hidden_states.layer_ids=[]", "data.overlong=truncate"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)

@@ -265,7 +265,7 @@ def test_data_job_through_the_server_writes_the_in_process_engines_shards(url, s
     prompts.write_text("".join(json.dumps({"id": f"c{i}", "turns": [t, "Say it again in other words."]}) + "\n"
                                for i, t in enumerate(["Reply in one word: what colour is the sky?",
                                                       "Name one planet.", "Say only: hello."])))
-    common = [f"target.model={smollm2_dir}", f"data.prompts={prompts}", "data.responses=target", "data.exclude=[]",
+    common = [f"target.model={smollm2_dir}", "target.dtype=float32", f"data.prompts={prompts}", "data.responses=target", "data.exclude=[]",
               "data.num_conversations=3", "data.shard_size=2", "data.max_turns=2", "data.temperature=0",
               "data.max_new_tokens=12", "data.min_prompt_tokens=3", "data.hidden_states.layer_ids=[]"]
     stats = {}

@@ -4,6 +4,7 @@ decoding through the inference module, 2-rank DeepSpeed runs (ZeRO-1/2/3) whose 
 Llama-8B recipes on a shrunken target, and bad input."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -43,7 +44,7 @@ TOPICS = ["rivers", "music", "chess", "volcanoes", "bread", "trains", "bees", "g
 TINY = ["drafter.num_layers=2", "drafter.eagle.aux_layer_ids=[1,2,3]", "drafter.eagle.draft_vocab_size=1024",
         "drafter.eagle.ttt_steps=3", "drafter.medusa.num_heads=3", "train.max_length=96", "train.micro_batch_size=2",
         "train.heldout=4", "train.warmup_steps=0", "train.lr=1e-2", "train.wandb.mode=disabled",
-        "inference.max_new_tokens=12", "inference.k=3", "train.precision=fp32"]
+        "inference.max_new_tokens=12", "inference.k=3", "train.precision=fp32", "target.dtype=float32"]
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -70,7 +71,8 @@ def data_dir(tmp_path_factory, peaky_target) -> Path:
                                for i, t in enumerate(TOPICS)))
     out = root / "data"
     generate_dataset(load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", [
-        f"output_dir={out}", f"target.model={peaky_target}", f"data.prompts={prompts}", "data.num_conversations=24",
+        f"output_dir={out}", f"target.model={peaky_target}", "target.dtype=float32", f"data.prompts={prompts}",
+        "data.num_conversations=24",
         "data.responses=target", "data.max_prompt_tokens=128",
         "data.min_prompt_tokens=3", "data.max_new_tokens=24", "data.batch_size=8", "data.shard_size=12",
         "data.hidden_states.layer_ids=[1,2,3,4]", "data.hidden_states.dtype=float32"]))
@@ -531,6 +533,35 @@ def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, pea
     with pytest.raises(SpecdrafterError, match="drafter.lora.r > 0"):
         build_drafter(recipe("medusa", tmp_path, peaky_target, data_dir, "drafter.medusa.stage=2"),
                       AutoModelForCausalLM.from_pretrained(peaky_target))
+
+
+@pytest.mark.parametrize("kind,extra", [("eagle3", ()), ("eagle1", ()), ("medusa", ()), ("draft_model", ()),
+                                         ("medusa", tuple(MEDUSA2))])
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_bf16_target_trains_fp32_master_weights(tmp_path, monkeypatch, kind, extra, precision, peaky_target, data_dir):
+    """A bf16 target (the SmolLM2 recipes' choice on CPUs with AVX512-BF16) hands bf16 features and logits to a
+    drafter whose weights and optimizer stay fp32: an update below bf16's resolution must still move a weight."""
+    import deepspeed
+    seen = {}
+    real_initialize = deepspeed.initialize
+
+    def spy(*args, **kwargs):
+        seen["module"] = kwargs["model"]
+        seen["dtypes"] = {q.dtype for q in kwargs["model"].parameters() if q.requires_grad}
+        seen["before"] = {n: q.detach().clone() for n, q in kwargs["model"].named_parameters() if q.requires_grad}
+        return real_initialize(*args, **kwargs)
+
+    monkeypatch.setattr(deepspeed, "initialize", spy)
+    train.loop.train(recipe("eagle3" if kind == "eagle1" else kind, tmp_path, peaky_target, data_dir,
+                            f"drafter.kind={kind}", "target.dtype=bfloat16", f"train.precision={precision}",
+                            "train.max_steps=2", "train.lr=1e-6", "train.eval_every=2", "train.save_every=2", *extra))
+    assert seen["dtypes"] == {torch.float32}
+    assert math.isfinite(metrics(tmp_path)[-1]["loss"])
+    after = dict(seen["module"].named_parameters())
+    moved = [n for n, before in seen["before"].items() if not torch.equal(after[n].detach(), before)]
+    # lr 1e-6: in bf16 (resolution ~0.4% of a weight) no weight would move; in fp32 nearly all do (LoRA's A matrices
+    # get a zero gradient on the first step, while B is still 0, and Adam's ε swamps their second one)
+    assert len(moved) >= 0.9 * len(seen["before"])
 
 
 # ------------------------------------------------------------------------ the Llama-8B recipes, shrunken

@@ -30,6 +30,11 @@ from train.batches import Batch
 from train.eagle import build_draft_vocab, shift_left, training_time_test
 from train.objectives import feature_loss
 
+# The dtype of every trainable drafter's weights, whatever the target's: AdamW on bf16 weights loses the updates
+# smaller than bf16's resolution. train.precision=amp_bf16 runs the matmuls in bf16 under autocast; DeepSpeed's bf16
+# mode casts the module itself and keeps fp32 master weights.
+MASTER_DTYPE = torch.float32
+
 
 @dataclass
 class Prediction:
@@ -91,11 +96,12 @@ def teacher_rows(hidden: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.T
 
 @torch.no_grad()
 def run_target(target: nn.Module, batch: Batch, layers: List[int], draft_ids: Optional[torch.Tensor] = None,
-               temperature: float = 1.0) -> TargetOutput:
+               temperature: float = 1.0, dtype: Optional[torch.dtype] = None) -> TargetOutput:
     """The frozen target's features and logits for a batch: computed now (online) or from the data job's cache
     (offline: batch.features holds the cached layers, including the last layer's output). The lm_head — a
     large share of the target's cost — runs only at the rows whose next token carries loss; with `draft_ids`
-    only the draft vocabulary's logits are kept (`teacher_rows`: memory O(R · Vd), not O(R · V))."""
+    only the draft vocabulary's logits are kept (`teacher_rows`: memory O(R · Vd), not O(R · V)). The features are
+    handed to the drafter in `dtype` (its weights' dtype; default: the target's)."""
     L = target.config.num_hidden_layers
     if batch.features is not None:
         features = {k: v.to(target.dtype) for k, v in batch.features.items()}
@@ -107,6 +113,8 @@ def run_target(target: nn.Module, batch: Batch, layers: List[int], draft_ids: Op
     row_index = torch.full(batch.input_ids.shape, -1, dtype=torch.long, device=batch.input_ids.device)
     row_index[b, t] = torch.arange(len(b), device=b.device)
     hidden = target.model.norm(features[L][b, t])  # [R, d]
+    if dtype is not None:
+        features = {k: v.to(dtype) for k, v in features.items()}
     if draft_ids is None:
         return TargetOutput(features, target.lm_head(hidden).float(), row_index)  # [R, V]
     logits, lse, top_in_vocab = teacher_rows(hidden, target.lm_head.weight, draft_ids.to(hidden.device), temperature)
@@ -118,7 +126,7 @@ def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Modu
     """A small causal LM initialised as a copy of the target's embeddings, the decoder layers `layers` (in that
     order), final norm and lm_head (trainable, not shared)."""
     config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": len(layers)})
-    draft = AutoModelForCausalLM.from_config(config).to(target.dtype)
+    draft = AutoModelForCausalLM.from_config(config).to(MASTER_DTYPE)
     source = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layers)}  # draft prefix → target's
     weights = {}
     for key in draft.state_dict():
@@ -139,7 +147,7 @@ class DraftModelDrafter:
         dr = cfg.drafter
         if dr.path:
             try:
-                module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=target.dtype)
+                module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=MASTER_DTYPE)
             except (OSError, ValueError) as e:
                 raise SpecdrafterError(f"could not load draft model {dr.path!r}: {str(e).splitlines()[0]}") from None
             try:
@@ -216,7 +224,7 @@ class MedusaDrafter:
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         m, lora = cfg.drafter.medusa, cfg.drafter.lora
         heads = init_from_target(MedusaHeads(medusa_config(target.config, m.num_heads, m.num_layers)), target)
-        self.module = heads.to(target.dtype)
+        self.module = heads.to(MASTER_DTYPE)
         self.norm = target.model.norm  # Medusa-1 heads read the frozen target's normed last hidden state
         self.last_layer = target.config.num_hidden_layers
         self.decay, self.heads_weight, self.lora = m.decay, 1.0, None
@@ -279,7 +287,7 @@ class Eagle3Drafter:
             raise SpecdrafterError(f"recipe key 'drafter.eagle.draft_vocab_size' ({e.draft_vocab_size}) exceeds the "
                                    f"target's vocabulary of {V} tokens")
         vocab = e.draft_vocab_size or V
-        head = Eagle3Head(eagle3_config(target.config, aux, vocab)).to(target.dtype)
+        head = Eagle3Head(eagle3_config(target.config, aux, vocab)).to(MASTER_DTYPE)
         if vocab < V and data is not None:
             d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
             head.d2t.copy_(d2t)
@@ -330,7 +338,7 @@ class Eagle1Drafter:
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         e = cfg.drafter.eagle
-        self.module = Eagle1Head(eagle1_config(target.config)).to(target.dtype).attach(target)
+        self.module = Eagle1Head(eagle1_config(target.config)).to(MASTER_DTYPE).attach(target)
         self.embed, self.L = target.get_input_embeddings(), target.config.num_hidden_layers
         self.feature_weight, self.ce_weight = e.feature_weight, e.ce_weight
         self.prediction_names = ["step0"]
@@ -340,7 +348,8 @@ class Eagle1Drafter:
         B, T = batch.input_ids.shape
         positions = torch.arange(T, device=f.device)[None].expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=f.device).tril()[None, None]
-        predicted, _ = module(f, self.embed(shift_left(batch.input_ids, 1)), positions, causal)  # [B, T, d] f̂_{t+1}
+        embeds = self.embed(shift_left(batch.input_ids, 1)).to(f.dtype)  # [B, T, d] the target's, in the head's dtype
+        predicted, _ = module(f, embeds, positions, causal)  # [B, T, d] f̂_{t+1}
         rows = counted_rows(batch.loss_mask, 2)
         b, t = rows
         feature = self.feature_weight * feature_loss(predicted[rows], f[b, t + 1], torch.ones_like(b, dtype=torch.bool))

@@ -1,4 +1,4 @@
-"""EAGLE-3 training: the draft vocabulary (d2t / t2d) and the training-time test (ALGORITHMS.md §5).
+"""EAGLE-3 training: the draft vocabulary (d2t / t2d) and the training-time test (docs/algorithms.md §EAGLE).
 
 Shifting convention. Position t of draft step j reads the token x_{t+j+1} and — at step 0 — the fused target
 feature f_t, later the head's own step-(j−1) output at t; it is trained towards the target's distribution at
@@ -57,7 +57,7 @@ def training_time_test(head: Eagle3Head, embed: nn.Module, fused: torch.Tensor, 
     positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)  # [B, T]
     hidden, prev_kv, out = fused, [], []
     for j in range(steps):
-        embeds = embed(shift_left(input_ids, j + 1))  # [B, T, d] x_{t+j+1}
+        embeds = embed(shift_left(input_ids, j + 1)).to(fused.dtype)  # [B, T, d] x_{t+j+1}, in the head's dtype
         hidden, kv = head(hidden, embeds, positions + j, ttt_mask(T, j, input_ids.device), prev_kv=prev_kv)
         prev_kv.append(kv)
         out.append(hidden)  # [B, T, d] also the input of step j+1

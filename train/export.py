@@ -1,4 +1,4 @@
-"""Export a trained drafter to the folders serving engines load unchanged (FORMATS.md), with a model card, and push
+"""Export a trained drafter to the folders serving engines load unchanged (docs/formats.md), with a model card, and push
 it to the Hugging Face Hub.
 
     python launch/export.py <checkpoint | run output_dir | drafter folder> --format F --out DIR [--overwrite]

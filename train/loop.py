@@ -217,7 +217,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
             start = (i * world + rank) * t.micro_batch_size
             batch = data.batch(order[start:start + t.micro_batch_size]).to(device)
             with autocast(t, device):
-                target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
+                target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
                 predictions = drafter.predictions(engine.module, batch, target_out)
             loss = 0.0
             for p in predictions:
@@ -292,6 +292,10 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     return {"decode/tau": tokens / max(passes, 1), "decode/alpha": accepted / max(drafted, 1)}
 
 
+def param_dtype(engine) -> torch.dtype:
+    return next(engine.module.parameters()).dtype
+
+
 def _all_finite(loss: torch.Tensor, device) -> bool:
     bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=device)
     dist.all_reduce(bad)  # every rank stops together
@@ -318,7 +322,7 @@ def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig,
             continue
         batch = data.batch(indices).to(device)
         with autocast(t, device):
-            teacher = run_target(target, batch, layers, drafter.teacher_ids, t.temperature)
+            teacher = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
             predictions = drafter.predictions(engine.module, batch, teacher)
         for p in predictions:
             sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, t.temperature).cpu()

@@ -1,4 +1,4 @@
-"""Distillation objectives: per position, over the vocabulary, with a loss mask (ALGORITHMS.md §7).
+"""Distillation objectives: per position, over the vocabulary, with a loss mask (docs/algorithms.md §Objectives).
 
 Convention: **p = target distribution, q = draft distribution**, both softmax(logits / T).
     tv       ½ Σ |p − q|                      = 1 − α with α = Σ min(p, q), the expected acceptance rate
