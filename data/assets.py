@@ -25,8 +25,8 @@ import platformdirs
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from data.io import (SpecdrafterError, atomic_write_bytes, atomic_write_json, publish_dir, remove_stale_temps,
-                     sha256_file, temp_dir_beside)
+from data.io import (SpecdrafterError, atomic_write_bytes, atomic_write_json, check_model_folder, first_line,
+                     publish_dir, remove_stale_temps, sha256_file, temp_dir_beside)
 
 log = logging.getLogger("specdrafter")
 
@@ -116,10 +116,7 @@ def load_prompt_set(name_or_path: str) -> List[dict]:
     (chat turns as {role, content} or ShareGPT's {from, value}; the user turns are the prompts)."""
     path = ensure_prompt_set(name_or_path) if name_or_path in NORMALISERS else Path(name_or_path).expanduser()
     if path.is_dir():
-        try:
-            rows = enumerate(datasets.load_from_disk(str(path)), 1)
-        except (OSError, ValueError, FileNotFoundError) as e:
-            raise SpecdrafterError(f"{path}: not a saved datasets folder ({str(e).splitlines()[0]})") from None
+        rows = _dataset_rows(path)
     elif path.is_file():
         rows = _jsonl_rows(path)
     else:
@@ -127,37 +124,72 @@ def load_prompt_set(name_or_path: str) -> List[dict]:
     records = []
     for i, r in rows:
         try:
-            turns = _user_turns(r)
+            records.append(_record(r, path, i))
         except (ValueError, AttributeError, TypeError) as e:
-            raise SpecdrafterError(f"{path}:{i}: not a valid prompt record ({str(e).splitlines()[0]})") from None
-        records.append({"id": str(r.get("id") or f"{path.stem}/{i}"), "source": r.get("source") or path.stem,
-                        "category": r.get("category"), "turns": turns, "reference": r.get("reference") or _assistant_turns(r)})
+            raise SpecdrafterError(f"{path}:{i}: not a valid prompt record ({first_line(e)})") from None
+    if not records:
+        raise SpecdrafterError(f"{path}: the prompt {'folder' if path.is_dir() else 'file'} is empty (no records)")
     return records
 
 
+def _record(r, path: Path, i: int) -> dict:
+    if not isinstance(r, dict):
+        raise ValueError(f"a record is a JSON object, not a {type(r).__name__}")
+    turns = _user_turns(r)
+    return {"id": str(r.get("id") or f"{path.stem}/{i}"), "source": r.get("source") or path.stem,
+            "category": r.get("category"), "turns": turns, "reference": r.get("reference") or _assistant_turns(r)}
+
+
+def _dataset_rows(path: Path) -> List[tuple]:
+    """(row number, row) of a saved `datasets` folder; a folder that is not one, or is damaged, is one line."""
+    try:
+        dataset = datasets.load_from_disk(str(path))
+        if isinstance(dataset, datasets.DatasetDict):
+            raise ValueError(f"it holds several splits ({', '.join(dataset)}): point at one split's folder")
+        return list(enumerate(dataset, 1))
+    except Exception as e:  # FileNotFoundError, arrow and JSON errors of a damaged folder
+        raise SpecdrafterError(f"{path}: not a saved datasets folder ({first_line(e)})") from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple]:
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield i, json.loads(line)
-                except ValueError as e:
-                    raise SpecdrafterError(f"{path}:{i}: not valid JSON ({str(e).splitlines()[0]})") from None
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):  # the lines text mode would give (\n, \r\n, \r)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecdrafterError(f"{path}:{i}: not UTF-8 text (byte {e.start} of the line)") from None
+        if line.strip():
+            try:
+                yield i, json.loads(line)
+            except ValueError as e:
+                raise SpecdrafterError(f"{path}:{i}: not valid JSON ({first_line(e)})") from None
+
+
+def _chat(r: dict) -> list:
+    chat = r.get("messages") or r.get("conversations") or []
+    if not isinstance(chat, list) or not all(isinstance(m, dict) for m in chat):
+        raise ValueError("'messages' / 'conversations' must be a list of {role, content} or {from, value} objects")
+    return chat
+
+
+def _speaker(m: dict):
+    return m.get("role", m.get("from"))
+
+
+def _text(m: dict):
+    return m.get("content", m.get("value"))
 
 
 def _assistant_turns(r: dict) -> Optional[List[str]]:
     """The assistant turns of a chat row (the dataset's own answers, for teacher-forced data), or None."""
-    chat = r.get("messages") or r.get("conversations") or []
-    answers = [m.get("content", m.get("value")) for m in chat if m.get("role", m.get("from")) in ("assistant", "gpt")]
+    answers = [_text(m) for m in _chat(r) if _speaker(m) in ("assistant", "gpt")]
     return answers or None
 
 
 def _user_turns(r: dict) -> List[str]:
     turns = r.get("turns") or ([r["prompt"]] if r.get("prompt") else None)
-    chat = r.get("messages") or r.get("conversations")
-    if not turns and chat:
-        turns = [m.get("content", m.get("value")) for m in chat if m.get("role", m.get("from")) in ("user", "human")]
-    if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+    if not turns:
+        turns = [_text(m) for m in _chat(r) if _speaker(m) in ("user", "human")]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
         raise ValueError("needs 'turns' (a list of strings), 'prompt' (a string) or 'messages' / 'conversations' "
                          "with user turns")
     return turns
@@ -292,6 +324,8 @@ def resolve_target(name: str) -> str:
 def load_target(name: str, dtype: str = "float32"):
     """(model, tokenizer) for a recipe's `target.model`, in eval mode; one clear line if it cannot load."""
     path = resolve_target(name)
+    if Path(path).expanduser().is_dir():  # a local folder: a damaged config.json or weights file is one line
+        check_model_folder(Path(path), "target")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))

@@ -33,8 +33,8 @@ from transformers import DynamicCache
 
 from data.assets import load_prompt_set, load_target
 from data.features import capture_features, check_layer_ids
-from data.io import (SpecdrafterError, atomic_write_json, publish_dir, remove_stale_temps, sha256_file,
-                     temp_dir_beside)
+from data.io import (SpecdrafterError, atomic_write_json, checksum_problem, file_checksums, first_line,
+                     json_file_problem, publish_dir, remove_stale_temps, temp_dir_beside)
 from data.recipe import save_recipe
 
 log = logging.getLogger("specdrafter")
@@ -405,9 +405,9 @@ def shard_problem(folder: Path, expected_ids: List[str], settings: dict) -> Opti
     meta_path = folder / SHARD_META
     try:
         meta = json.loads(meta_path.read_text())
-        for name, digest in meta["files"].items():
-            if sha256_file(folder / name) != digest:
-                return f"{name} does not match its checksum"
+        problem = checksum_problem(folder, meta["files"])
+        if problem:
+            return problem
         n = datasets.load_from_disk(str(folder)).num_rows
     except FileNotFoundError as e:
         return f"{Path(e.filename).name if e.filename else 'a file'} is missing"
@@ -433,7 +433,7 @@ def move_aside(path: Path, output_dir: Path, reason: str) -> None:
 def write_shard(records: List[dict], folder: Path, settings: dict) -> None:
     tmp = temp_dir_beside(folder)
     datasets.Dataset.from_list(records).save_to_disk(str(tmp))
-    files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = file_checksums(tmp)
     atomic_write_json(tmp / SHARD_META, {"num_rows": len(records), "ids": [r["id"] for r in records],
                                          "settings": settings, "files": files})
     publish_dir(tmp, folder)
@@ -599,4 +599,22 @@ def load_generated(output_dir: str | Path, num_shards: Optional[int] = None) -> 
         folders = folders[:num_shards]
     if not folders:
         raise SpecdrafterError(f"no generated shards under {output_dir}; run launch/generate_data.py first")
-    return datasets.concatenate_datasets([datasets.load_from_disk(str(f)) for f in folders])
+    return datasets.concatenate_datasets([load_shard(f) for f in folders])
+
+
+def load_shard(folder: Path) -> datasets.Dataset:
+    """One shard, checked against the checksums its shard.json recorded; a damaged shard is one line naming it."""
+    meta = folder / SHARD_META
+    problem = json_file_problem(meta) if meta.exists() else None  # shards always have one; tolerate hand-made ones
+    if problem:
+        problem = f"{SHARD_META} {problem}"
+    elif meta.exists():
+        files = json.loads(meta.read_text()).get("files")
+        problem = checksum_problem(folder, files) if isinstance(files, dict) else f"{SHARD_META} lists no files"
+    if problem is None:
+        try:
+            return datasets.load_from_disk(str(folder))
+        except Exception as e:  # arrow / JSON errors of a folder that is not a saved dataset
+            problem = f"unreadable ({first_line(e)})"
+    raise SpecdrafterError(f"shard {str(folder)!r} is damaged: {problem}; rerun the data job (launch/generate_data.py) "
+                           "to regenerate it")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List, Optional, Sequence
 
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 
 class SpecdrafterError(Exception):
@@ -74,9 +76,169 @@ def remove_stale_temps(folder: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 
+def file_checksums(folder: Path, skip: Sequence[str] = ()) -> Dict[str, str]:
+    """{path relative to `folder` (POSIX): sha256} of every file under `folder`, except the relative paths in `skip`."""
+    folder = Path(folder)
+    names = (p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file())
+    return {name: sha256_file(folder / name) for name in names if name not in skip}
+
+
+def checksum_problem(folder: Path, files: Dict[str, str]) -> Optional[str]:
+    """What is wrong with the first file of `files` ({relative path: sha256}) that is missing or altered; None if
+    every one matches. The one check behind the data job's shards and the training checkpoints."""
+    for name, digest in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def json_digest(obj: Any) -> str:
+    """sha256 of a JSON value, independent of key order and layout (a state file's checksum of itself). Taken of the
+    value as read back from JSON (int keys become strings), so the writer and a later reader agree."""
+    canonical = json.loads(json.dumps(obj, ensure_ascii=False))
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# --------------------------------------------------------------------------------- files a user points at
+def json_file_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a readable JSON object (missing, empty, not UTF-8, not JSON, another JSON value), or None."""
+    try:
+        raw = Path(path).read_bytes()
+        obj = json.loads(raw.decode())
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"is unreadable ({first_line(e)})"
+    except UnicodeDecodeError as e:
+        return f"is not UTF-8 text (byte {e.start})"
+    except ValueError as e:
+        return "is empty" if not raw.strip() else f"is not valid JSON ({first_line(e)})"
+    return None if isinstance(obj, dict) else f"holds a JSON {type(obj).__name__}, not an object"
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a complete safetensors file (missing, empty, truncated, corrupt header), or None. Reads
+    only the header: the file's size must match what the header describes."""
+    try:
+        if Path(path).stat().st_size == 0:
+            return "is empty"
+        with safe_open(str(path), "pt"):
+            return None
+    except FileNotFoundError:
+        return "is missing"
+    except Exception as e:  # SafetensorError (not an OSError): truncated, zeroed, a corrupt header, not safetensors
+        return f"is truncated or corrupt ({first_line(e)})"
+
+
+def read_safetensors(path: Path) -> dict:
+    """load_file, with anything wrong with the file as one SpecdrafterError naming it."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise SpecdrafterError(f"{str(path)!r} {problem}")
+    return load_file(str(path))
+
+
+def check_model_folder(folder: Path, what: str) -> Path:
+    """A model folder a user points at (a drafter folder, an export, a target): it must be a folder with a readable
+    config.json and complete *.safetensors files, and — for a checkpoint's drafter/ — match the checksums its
+    checkpoint recorded. Anything else is one SpecdrafterError naming the file and what is wrong."""
+    folder = Path(folder).expanduser()
+    if not folder.exists():
+        raise SpecdrafterError(f"{what} {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise SpecdrafterError(f"{what} {str(folder)!r} is a file, not a folder (config.json + model.safetensors)")
+    if (folder.parent / TRAINER_STATE).is_file():  # …/step-N/drafter: verified against its checkpoint's checksums
+        problem = checkpoint_problem(folder.parent, only=(f"{folder.name}/",))
+        if problem:
+            raise SpecdrafterError(f"{what} {str(folder)!r}: its checkpoint is damaged ({problem})")
+    problem = json_file_problem(folder / "config.json")
+    if problem:
+        raise SpecdrafterError(f"{what} {str(folder)!r}: config.json {problem}")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise SpecdrafterError(f"{what} {str(folder)!r}: model.safetensors is missing (no weights in the folder)")
+    for path in sorted(folder.rglob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            raise SpecdrafterError(f"{what} {str(folder)!r}: {path.relative_to(folder)} {problem}")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+TRAINER_STATE = "trainer_state.json"
+CHECKSUM_KEYS = ("files", "state_sha256")  # what trainer_state.json records about the checkpoint's integrity
+
+
 def complete_checkpoints(root: Path) -> List[Path]:
-    """Checkpoint folders (root/step-NNNNNN) whose trainer_state.json — written last — exists, oldest first."""
-    return sorted(p.parent for p in Path(root).glob("step-*/trainer_state.json"))
+    """Checkpoint folders (root/step-NNNNNN) whose trainer_state.json — written last — exists, oldest first (folders
+    moved aside as damaged, step-NNNNNN.damaged, are not checkpoints)."""
+    found = (p.parent for p in Path(root).glob(f"step-*/{TRAINER_STATE}"))
+    return sorted(p for p in found if re.fullmatch(r"step-\d+", p.name))
+
+
+def write_checkpoint_state(folder: Path, state: dict) -> Path:
+    """trainer_state.json, the last file of a checkpoint: `state` + the sha256 of every other file of the checkpoint
+    (files) + the sha256 of the state itself (state_sha256)."""
+    state = {**state, "files": file_checksums(folder, skip=(TRAINER_STATE,))}
+    return atomic_write_json(Path(folder) / TRAINER_STATE, {**state, "state_sha256": json_digest(state)})
+
+
+def checkpoint_problem(folder: Path, only: Sequence[str] = ("",)) -> Optional[str]:
+    """Why a complete checkpoint cannot be trusted, or None. Verifies trainer_state.json against itself and the
+    files whose relative paths start with one of `only` (default: all). A checkpoint written before checksums were
+    recorded (no files / state_sha256) is trusted as it is."""
+    try:
+        state = json.loads((Path(folder) / TRAINER_STATE).read_bytes().decode())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return f"{TRAINER_STATE} is unreadable ({first_line(e)})"
+    if not isinstance(state, dict):
+        return f"{TRAINER_STATE} is not a JSON object"
+    if not any(k in state for k in CHECKSUM_KEYS):
+        return None
+    digest = state.pop("state_sha256", None)
+    if digest != json_digest(state) or not isinstance(state.get("files"), dict):
+        return f"{TRAINER_STATE} does not match its checksum"
+    return checksum_problem(folder, {k: v for k, v in state["files"].items() if k.startswith(tuple(only))})
+
+
+def read_checkpoint_state(folder: Path, only: Sequence[str] = ("",)) -> dict:
+    """trainer_state.json of a checkpoint someone points at, verified (`checkpoint_problem`), without its checksums.
+    A damaged checkpoint is one SpecdrafterError naming the file."""
+    problem = checkpoint_problem(folder, only)
+    if problem:
+        raise SpecdrafterError(f"checkpoint {str(folder)!r} is damaged: {problem}")
+    state = json.loads((Path(folder) / TRAINER_STATE).read_text())
+    return {k: v for k, v in state.items() if k not in CHECKSUM_KEYS}
+
+
+def move_aside(path: Path, suffix: str = ".damaged") -> Path:
+    """Rename a file or folder to <name><suffix> (then <name><suffix>-2, ...) beside it; returns the new path."""
+    path = Path(path)
+    dest, n = path.with_name(path.name + suffix), 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}{suffix}-{n}")
+    os.replace(path, dest)
+    return dest
+
+
+def discard_damaged_checkpoints(root: Path) -> List[str]:
+    """Verify the newest complete checkpoint under `root`; while it is damaged, move it aside (<name>.damaged) and
+    verify the one before. Returns one line per checkpoint moved aside, naming the checkpoint resumed from instead."""
+    lines, found = [], complete_checkpoints(root)
+    while found and (problem := checkpoint_problem(found[-1])) is not None:
+        folder = found.pop()
+        dest = move_aside(folder)
+        instead = f"resuming from {found[-1].name}" if found else "no complete checkpoint left: training starts afresh"
+        lines.append(f"checkpoint {folder} is damaged ({problem}): moved aside to {dest.name}; {instead}")
+    return lines
 
 
 def write_config_and_weights(module, folder: Path) -> None:

@@ -8,6 +8,9 @@ names the key before any model or dataset loads.
 from __future__ import annotations
 
 import difflib
+import functools
+import io
+import math
 import os
 import sys
 import urllib.parse
@@ -16,10 +19,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from data.io import SpecdrafterError, atomic_write_text
+from data.io import SpecdrafterError, atomic_write_text, first_line
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 PROMPT_SETS = ("mtbench", "humaneval", "gsm8k", "sharegpt")
@@ -207,6 +211,9 @@ class TrainConfig:
     # Every N checkpoints (and at the last), decode a couple of prompts of eval.sets[0] with the saved drafter
     # through the real loop and log τ and α (decode/tau, decode/alpha); 0 = off.
     decode_check_every: int = 0
+    # Memory per GPU that launch/plan.py and the launchers' check (train/plan.py) plan against. None: 80 GiB in the
+    # planner, the device's own memory on a CUDA launch. (None, not 80, so runs saved before the key resume unchanged.)
+    gpu_memory_gb: Optional[float] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -301,25 +308,169 @@ class Recipe:
 def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:
     """Merge schema defaults ← YAML file ← `key=value` overrides; validate; return a typed DictConfig."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"recipe {path} is a folder, not a YAML file")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
-    schema = OmegaConf.structured(Recipe)
+    schema = _schema()
+    from_file = read_yaml(path)
+    dotlist = _parse_overrides(list(overrides))
     try:
-        from_file = OmegaConf.load(path)
-    except Exception as e:  # yaml.YAMLError and friends: keep the first line only
-        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
-    if bad:
-        raise RecipeError(f"override {bad[0]!r} is not of the form key=value")
-    try:
-        cfg = OmegaConf.merge(schema, from_file, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(schema, from_file, dotlist)
+        tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # a broken ${...} names its key here
     except OmegaConfBaseException as e:
         raise RecipeError(_explain(e, schema)) from None
+    except Exception as e:  # TypeError / ValueError inside OmegaConf (a mapping where a list goes): find the key
+        raise RecipeError(f"recipe key {_culprit(from_file, dotlist)!r} has the wrong type ({first_line(e)})") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise RecipeError(f"recipe key {missing[0]!r} is required but has no value (set it in the YAML or as {missing[0]}=...)")
+    _check_numbers(tree)
+    _check_ranges(tree)
     _check_values(cfg)
     return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    """The typed defaults, built once (OmegaConf.merge copies it, never changes it)."""
+    return OmegaConf.structured(Recipe)
+
+
+def _culprit(*configs: DictConfig) -> str:
+    """The first key of `configs` that does not merge into the schema on its own (the deepest one that fails)."""
+    def fails(key: str, value) -> bool:
+        tree = value
+        for part in reversed(key.split(".")):
+            tree = {part: tree}
+        try:
+            OmegaConf.merge(_schema(), OmegaConf.create(tree))
+            return False
+        except Exception:
+            return True
+
+    def search(node: dict, prefix: str) -> Optional[str]:
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if fails(key, v):
+                return (search(v, key) if isinstance(v, dict) and v else None) or key
+        return None
+
+    for c in configs:
+        found = search(OmegaConf.to_container(c, resolve=False), "")
+        if found:
+            return found
+    return "?"
+
+
+def read_yaml(path: Path) -> DictConfig:
+    """The YAML mapping in `path`. Not UTF-8, a syntax error, or a document that is not a mapping: one RecipeError
+    naming the file and the line."""
+    try:
+        raw = Path(path).read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise RecipeError(f"{path}: unreadable ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte {e.start})") from None
+    try:
+        cfg = OmegaConf.load(io.StringIO(text))
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise RecipeError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML ({e.problem or e.context})") from None
+    except yaml.reader.ReaderError as e:
+        line = text[:e.position].count("\n") + 1
+        raise RecipeError(f"{path}:{line}: not valid YAML (character {e.character!r}: {e.reason})") from None
+    except Exception as e:  # a scalar document: OmegaConf refuses it
+        raise RecipeError(f"{path}:1: not a recipe: a recipe is a YAML mapping of keys (output_dir, target, data, "
+                          f"...) ({first_line(e)})") from None
+    if not isinstance(cfg, DictConfig):
+        raise RecipeError(f"{path}:1: not a recipe: a recipe is a YAML mapping of keys (output_dir, target, data, "
+                          "...), not a list")
+    return cfg
+
+
+def load_saved_recipe(path: str | os.PathLike) -> DictConfig:
+    """A recipe.yaml that a job wrote (a checkpoint's, a data job's), as it was saved; one RecipeError if damaged."""
+    return read_yaml(Path(path))
+
+
+def _parse_overrides(overrides: List[str]) -> DictConfig:
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise RecipeError(f"override {bad[0]!r} is not of the form key=value")
+    empty = [o for o in overrides if "" in o.partition("=")[0].split(".")]
+    if empty:
+        raise RecipeError(f"override {empty[0]!r}: the key has an empty part (a.b.c=value)")
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except Exception:  # name the override whose value does not parse
+        for o in overrides:
+            try:
+                OmegaConf.from_dotlist([o])
+            except Exception as e:
+                problem = getattr(e, "problem", None) or first_line(e)
+                raise RecipeError(f"override {o!r}: the value is not valid YAML ({problem})") from None
+        raise
+
+
+def _check_numbers(tree: dict) -> None:
+    """No NaN or infinity anywhere, every integer within int64 (seeds, counts and sizes reach torch), and no list
+    inside a list of strings (OmegaConf lets one through)."""
+    for key, value in _leaves(tree):
+        if isinstance(value, (list, dict)) and key in STRING_LISTS:
+            raise RecipeError(f"recipe key {key!r} is a list of strings, got an item {value}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RecipeError(f"recipe key {key!r} must be a finite number, got {value}")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+            raise RecipeError(f"recipe key {key!r}: {value} is out of range (at most 2**63 - 1)")
+
+
+SEED = (lambda v: 0 <= v < 2**32, "in [0, 2**32)")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+POSITIVE = (lambda v: v > 0, "> 0")
+AT_LEAST_ONE = (lambda v: v >= 1, ">= 1")
+# Numbers that no other check below bounds. A list's rule applies to each item.
+RANGES: Dict[str, tuple] = {
+    "data.seed": SEED, "train.seed": SEED, "inference.seed": SEED, "data.min_prompt_tokens": NON_NEGATIVE,
+    "data.target_share": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "drafter.layers": NON_NEGATIVE, "drafter.lora.alpha": POSITIVE,
+    "drafter.lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "drafter.medusa.decay": POSITIVE, "drafter.eagle.aux_layer_ids": NON_NEGATIVE, "drafter.eagle.step_decay": POSITIVE,
+    "drafter.eagle.feature_weight": NON_NEGATIVE, "drafter.eagle.ce_weight": NON_NEGATIVE,
+    "train.objective": NON_NEGATIVE, "train.data_tokens": NON_NEGATIVE, "train.weight_decay": NON_NEGATIVE,
+    "inference.tree": NON_NEGATIVE, "inference.asd.budget": NON_NEGATIVE, "inference.asd.gate": NON_NEGATIVE,
+    "inference.asd.max_mismatches": AT_LEAST_ONE, "inference.dynamic_tree.total_tokens": NON_NEGATIVE,
+    "inference.dynamic_tree.depth": AT_LEAST_ONE, "inference.dynamic_tree.top_k": AT_LEAST_ONE,
+    "inference.typical.eps": NON_NEGATIVE, "inference.typical.delta": NON_NEGATIVE,
+    "scaling.budgets": AT_LEAST_ONE, "scaling.compare_budget": NON_NEGATIVE,
+    "scaling.tokens_per_conversation": AT_LEAST_ONE,
+}
+
+
+def _check_ranges(tree: dict) -> None:
+    for key, value in _leaves(tree):
+        rule = next((r for k, r in RANGES.items() if key == k or key.startswith(k + ".")), None)  # objective.<name>
+        if rule and value is not None and not rule[0](value):
+            raise RecipeError(f"recipe key {key!r} must be {rule[1]}, got {value}")
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted key, value) of every scalar of a container; list items keep their parent's key (a list inside a list
+    of strings comes out whole)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for v in node:
+            whole = isinstance(v, (list, dict)) and prefix in STRING_LISTS
+            yield from ((prefix, v),) if whole else _leaves(v, prefix)
+    else:
+        yield prefix, node
+
+
+STRING_LISTS = ("data.exclude", "data.servers", "drafter.lora.target_modules", "eval.sets")  # List[str] keys
 
 
 def _explain(e: OmegaConfBaseException, schema: DictConfig) -> str:
@@ -411,6 +562,7 @@ def _check_training(cfg: DictConfig) -> None:
               "train.heldout": (t.heldout >= 0, ">= 0"), "train.eval_every": (t.eval_every >= 1, ">= 1"),
               "train.save_every": (t.save_every >= 1, ">= 1"), "train.keep_checkpoints": (t.keep_checkpoints >= 1, ">= 1"),
               "train.decode_check_every": (t.decode_check_every >= 0, ">= 0"),
+              "train.gpu_memory_gb": (t.gpu_memory_gb is None or t.gpu_memory_gb > 0, "> 0 (GiB per GPU)"),
               "drafter.lora.r": (dr.lora.r >= 0, ">= 0"), "drafter.medusa.num_heads": (dr.medusa.num_heads >= 1, ">= 1"),
               "drafter.medusa.num_layers": (dr.medusa.num_layers >= 0, ">= 0"),
               "drafter.medusa.stage": (dr.medusa.stage in (1, 2), "1 (Medusa-1) or 2 (Medusa-2)"),

@@ -7,7 +7,7 @@ A *cell* is one (checkpoint, prompt set, temperature, verifier[, k / ASD setting
 prompts of the set decoded with eval.max_new_tokens each. Cells are appended to results.json as they finish, so a
 rerun after a crash skips them. The report (report.md + plots) is rebuilt from results.json at the end.
 
-results.json (schema 1):
+results.json (schema 1; "sha256": of the rest of the file, checked on a rerun — a damaged file is moved aside):
     {"schema": 1, "target": str, "drafter": kind, "settings": {...the eval knobs the numbers depend on...},
      "machine": {"target_step_s": seconds of one target decode step, "v": {"n": target pass over n tokens ÷ one}},
      "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs", "target_step_s"}},   target-only
@@ -47,7 +47,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.assets import load_prompt_set, load_target
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints
+from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, check_model_folder, complete_checkpoints,
+                     first_line, json_digest, move_aside, read_checkpoint_state)
 from eval.report import write_report
 from eval.acceptance import (alpha_per_token, best_block_length, modal_block_length, per_position_acceptance,
                              position_counts, predicted_speedup, tree_predicted_speedup)
@@ -78,8 +79,19 @@ def find_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
         raise SpecdrafterError("recipe key 'eval.checkpoint' is required: a checkpoint, a drafter folder or a run directory "
                                "(checkpoint=... on the command line)")
     path = Path(path).expanduser()
+    if path.is_file():
+        raise SpecdrafterError(f"checkpoint {str(path)!r} is a file: expected a checkpoint, a drafter folder or a run "
+                               "directory")
     if not path.is_dir():
         raise SpecdrafterError(f"checkpoint {str(path)!r} does not exist")
+    found = _checkpoints_in(path, kind)
+    for c in found:  # a damaged or incomplete drafter folder is one line before any model loads
+        if c.drafter is not None:
+            check_model_folder(c.drafter, "drafter folder")
+    return found
+
+
+def _checkpoints_in(path: Path, kind: str) -> List[Checkpoint]:
     if (path / "checkpoints").is_dir():
         found = complete_checkpoints(path / "checkpoints")
         if not found and (path / "drafter").is_dir():
@@ -96,13 +108,12 @@ def find_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
 
 
 def _training_checkpoint(folder: Path, kind: str) -> Checkpoint:
-    try:
-        state = json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SpecdrafterError(f"checkpoint {str(folder)!r}: unreadable trainer_state.json ({e})") from None
+    state = read_checkpoint_state(folder, only=("drafter/",))  # unreadable or damaged: one line naming it
     if state.get("drafter") not in (None, kind):
         raise SpecdrafterError(f"checkpoint {str(folder)!r} holds a {state['drafter']} drafter, but the recipe's "
                                f"drafter.kind is {kind}")
+    if not (folder / "drafter").is_dir() and (folder / "config.json").is_file():  # an export: the drafter at top level
+        return Checkpoint(folder.name, state.get("step"), folder)
     return Checkpoint(folder.name, state.get("step"), folder / "drafter")
 
 
@@ -151,11 +162,8 @@ class Results:
         self.folder, self.path = folder, folder / "results.json"
         fresh = {"schema": 1, "target": cfg.target.model, "drafter": cfg.drafter.kind.value, "settings": settings(cfg),
                  "machine": {}, "baselines": {}, "cells": []}
-        if self.path.is_file():
-            try:
-                self.data = json.loads(self.path.read_text())
-            except ValueError:
-                raise SpecdrafterError(f"{self.path} is not valid JSON; move it away to start the evaluation afresh") from None
+        self.data = self._read() if self.path.is_file() else None
+        if self.data is not None:
             changed = [k for k, v in fresh["settings"].items() if self.data.get("settings", {}).get(k) != v]
             if self.data.get("drafter") != fresh["drafter"] or changed:
                 what = ", ".join(changed) or "drafter.kind"
@@ -163,6 +171,22 @@ class Results:
                                        "or remove it")
         else:
             self.data = fresh
+
+    def _read(self) -> Optional[dict]:
+        """results.json as saved, or None after moving a damaged one aside (results.json.damaged): its checksum of
+        itself does not match, or it is not JSON. Files written before the checksum are trusted if they parse."""
+        try:
+            data = json.loads(self.path.read_bytes().decode())
+            problem = None if isinstance(data, dict) else "not a JSON object"
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            data, problem = None, f"not valid JSON: {first_line(e)}"
+        if problem is None and "sha256" in data and data.pop("sha256") != json_digest(data):
+            problem = "it does not match its checksum"
+        if problem is None:
+            return data
+        dest = move_aside(self.path)
+        log.warning(f"{self.path} is damaged ({problem}): moved aside to {dest.name}; every cell is evaluated afresh")
+        return None
 
     def cell(self, cell_id: str) -> Optional[dict]:
         return next((c for c in self.data["cells"] if c["id"] == cell_id and (self.folder / c["outputs"]).is_file()), None)
@@ -172,7 +196,7 @@ class Results:
         self.save()
 
     def save(self) -> None:
-        atomic_write_json(self.path, self.data)
+        atomic_write_json(self.path, {**self.data, "sha256": json_digest(self.data)})
 
 
 def run_eval(cfg: DictConfig) -> Path:

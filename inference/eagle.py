@@ -18,12 +18,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from data.io import SpecdrafterError, save_config_and_weights
+from data.io import SpecdrafterError, read_safetensors, save_config_and_weights
 from inference.proposers import Proposal
 from inference.sampling import SamplingParams, draw
 from inference.tree import TreeShape, select_dynamic_tree
@@ -158,14 +157,38 @@ def _load_head(folder, dtype, arch: str, cls, what: str):
         raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: no such folder")
     try:
         config = LlamaConfig.from_pretrained(folder)
-        weights = load_file(str(folder / "model.safetensors"))
+        weights = read_safetensors(folder / "model.safetensors")  # a damaged file: one line naming it
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: {str(e).splitlines()[0]}") from None
     if arch not in "".join(config.architectures or []):
         raise SpecdrafterError(f"{str(folder)!r} is not an {what} checkpoint (architectures: {config.architectures})")
     head = cls(config)
-    head.load_state_dict(weights)
+    try:
+        head.load_state_dict(full_vocab_maps(head, weights) if cls is Eagle3Head else weights)
+    except RuntimeError as e:  # weights of another layout or shape than its config.json describes
+        raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit an {what} of its config.json: "
+                               f"{' '.join(str(e).split())[:200]}") from None
     return head.to(dtype).eval()
+
+
+def full_vocab_maps(head: Eagle3Head, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A full-vocabulary head exported without d2t / t2d (engines refuse them when Vd = V) gets the identity maps:
+    d2t all zeros [V], t2d all true [V]."""
+    if head.config.draft_vocab_size != head.config.vocab_size:
+        return weights
+    identity = {"d2t": torch.zeros_like(head.d2t), "t2d": torch.ones_like(head.t2d)}
+    return {**identity, **weights}
+
+
+def check_aux_order(ids: Sequence[int], where: str, fix: str = "list three distinct ids, low to high") -> None:
+    """EAGLE-3 aux-layer ids must be distinct and increasing: the engines capture each layer once, in layer order, so
+    `fc` must have been trained on the features in that order (unsorted ids: another order, no error; a repeated
+    id: fc gets too few inputs and the engine crashes)."""
+    ids = list(ids)
+    if ids != sorted(set(ids)):
+        what = "repeat a layer" if len(set(ids)) < len(ids) else "are not in increasing order"
+        raise SpecdrafterError(f"{where} = {ids} {what}: engines capture each aux layer once, in layer order, so the "
+                               f"head's fc would read other features than in training; {fix}")
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-1

@@ -21,12 +21,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import PretrainedConfig
 
 from data.features import capture_features
-from data.io import SpecdrafterError, save_config_and_weights
+from data.io import SpecdrafterError, read_safetensors, save_config_and_weights
 from inference.generate import CycleStats, GenerationResult, _commit, _observe, _prefill, compact_cache, tree_pass
 from inference.proposers import Proposal
 from inference.sampling import SamplingParams, sample, sampling_probs
@@ -122,9 +121,11 @@ def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> Medus
     folder = Path(folder)
     try:
         raw = json.loads((folder / "config.json").read_text())
-        weights = load_file(str(folder / "model.safetensors"))
+        weights = read_safetensors(folder / "model.safetensors")
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load the Medusa heads in {str(folder)!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r} holds a JSON {type(raw).__name__}, not an object")
     if raw.get("model_type") != "medusa" and "MedusaModel" not in (raw.get("architectures") or []):
         raise SpecdrafterError(f"{str(folder)!r} is not a Medusa checkpoint (model_type: {raw.get('model_type')!r})")
     heads = MedusaHeads(MedusaConfig.from_dict(raw))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -13,10 +15,10 @@ from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
 from data.assets import load_target
-from data.io import SpecdrafterError
+from data.io import SpecdrafterError, check_model_folder
 from inference.autotune import BlockLengthTuner, TreeSizeTuner
 from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
-from inference.eagle import EagleProposer, EagleTreeProposer, load_eagle1, load_eagle3
+from inference.eagle import EAGLE1_ARCH, EagleProposer, EagleTreeProposer, load_eagle1, load_eagle3
 from inference.medusa import MedusaProposer, MedusaTreeProposer, check_heads_fit, load_medusa, typical_generate
 from inference.proposers import (DraftModelProposer, DraftModelTreeProposer, DynamicTreeProposer, check_vocabularies,
                                  self_draft)
@@ -29,6 +31,8 @@ log = logging.getLogger("specdrafter")
 def load_serving_target(cfg: DictConfig):
     """(model, tokenizer) that decoding verifies with: the recipe's target — or, for Medusa-2 heads (a drafter
     folder with a `backbone/`), the fine-tuned backbone trained with them, which is what Medusa-2 serves."""
+    if cfg.drafter.kind.value != "self_draft":
+        _drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
     if cfg.drafter.kind.value == "medusa" and cfg.drafter.path:
         return serving_model(Path(cfg.drafter.path), target), tokenizer
@@ -76,7 +80,36 @@ def _drafter_path(cfg: DictConfig) -> str:
     if not cfg.drafter.path:
         raise SpecdrafterError(f"recipe key 'drafter.path' is required to decode with a trained {cfg.drafter.kind.value} "
                                "(a checkpoint's drafter/ folder or an export)")
-    return cfg.drafter.path
+    path = cfg.drafter.path
+    if path.startswith(("/", ".", "~")) or os.path.exists(path):  # a local folder, not a hub id
+        check_drafter_folder(Path(path).expanduser(), cfg.drafter.kind.value)
+    return path
+
+
+KIND_NAMES = {"eagle3": "an EAGLE-3 head", "eagle1": "an EAGLE-1 head", "medusa": "Medusa heads",
+              "draft_model": "a draft model"}
+
+
+def drafter_kind_of(config: dict) -> Optional[str]:
+    """The drafter kind a config.json describes (None: not recognised)."""
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    archs = [a for a in archs if isinstance(a, str)]
+    if any("Eagle3" in a for a in archs):
+        return "eagle3"
+    if EAGLE1_ARCH in archs:
+        return "eagle1"
+    if config.get("model_type") == "medusa" or "MedusaModel" in archs:
+        return "medusa"
+    return "draft_model" if any(a.endswith("ForCausalLM") for a in archs) else None
+
+
+def check_drafter_folder(folder: Path, kind: str) -> None:
+    """A drafter folder a user points at: complete and intact (data.io.check_model_folder) and of the recipe's kind."""
+    check_model_folder(folder, "drafter folder")
+    found = drafter_kind_of(json.loads((folder / "config.json").read_text()))
+    if found and found != kind:
+        raise SpecdrafterError(f"drafter folder {str(folder)!r} holds {KIND_NAMES[found]}, but recipe key "
+                               f"'drafter.kind' is {kind}")
 
 
 def build_proposer(cfg: DictConfig, target):

@@ -157,7 +157,7 @@ def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
     for c in data["cells"]:
         assert c["tree_size"] == 4 and len(c["per_position"]) == 2  # depth 2
         v4 = data["machine"]["v"]["4"]
-        assert c["predicted_speedup"] == pytest.approx(c["tau"] / (v4 + c["c"]), rel=2e-3)
+        assert c["predicted_speedup"] == pytest.approx(c["tau"] / (v4 + c["c"]), rel=2e-3, abs=1e-3)  # stored rounded to 3 places
         assert c["mean_tv"] is None and c["best_k"] is None
 
 

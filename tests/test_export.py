@@ -21,13 +21,13 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import OmegaConf
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_llama_config
 from data.io import SpecdrafterError
 from data.recipe import load_recipe
-from inference.eagle import Eagle3Head, EagleProposer, load_eagle3
+from inference.eagle import Eagle3Head, EagleProposer, full_vocab_maps, load_eagle3
 from inference.generate import speculative_generate
 from inference.medusa import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa
 from inference.proposers import DraftModelProposer
@@ -82,9 +82,10 @@ def checkpoint(tmp_path_factory, target_dir, target, smollm2_tokenizer):
                 for q in drafter.module.parameters():
                     if q.requires_grad:
                         q.add_(0.05 * torch.randn_like(q))
-                if kind == "eagle3":  # a draft vocabulary that is not just the first 1024 ids
-                    ids = torch.randperm(target.config.vocab_size)[:1024].sort().values
-                    drafter.module.d2t.copy_(ids - torch.arange(1024))
+                Vd = len(drafter.module.d2t) if kind == "eagle3" else 0
+                if 0 < Vd < target.config.vocab_size:  # a draft vocabulary that is not just the first Vd ids
+                    ids = torch.randperm(target.config.vocab_size)[:Vd].sort().values
+                    drafter.module.d2t.copy_(ids - torch.arange(Vd))
                     drafter.module.t2d.zero_()
                     drafter.module.t2d[ids] = True
             folder = run / "checkpoints" / "step-000004"
@@ -122,11 +123,11 @@ def eagle3_from_export(folder: Path, fmt: str) -> Eagle3Head:
         weights = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in weights.items()}
     else:
         layer, ids = c, c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        if c["eagle_config"]["aux_layer_id_convention"] == "output":
+        if fmt == "sglang":
             ids = [k + 1 for k in ids]
     head = Eagle3Head(LlamaConfig(**{**layer, "draft_vocab_size": c["draft_vocab_size"], "target_hidden_size":
                                      c["target_hidden_size"], "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}))
-    head.load_state_dict(weights)
+    head.load_state_dict(full_vocab_maps(head, weights))  # a full-vocabulary export has no d2t / t2d
     return head.eval()
 
 
@@ -189,10 +190,8 @@ def test_eagle3_exports_load_back_with_identical_logits(tmp_path, fmt, checkpoin
         layer = c
         assert c["architectures"] == ["LlamaForCausalLMEagle3"]
         assert (c["draft_vocab_size"], c["target_hidden_size"], c["tie_word_embeddings"]) == (1024, 32, False)
-        assert c["eagle_config"] == ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True,
-                                      "aux_layer_id_convention": "input"} if fmt == "vllm" else
-                                     {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True,
-                                      "aux_layer_id_convention": "output"})  # SGLang: ours − 1
+        assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3] if fmt == "vllm" else [0, 1, 2],
+                                     "use_aux_hidden_state": True}  # SGLang: ours − 1; no key only we would read
         assert c.get("eagle_aux_hidden_state_layer_ids") == ([1, 2, 3] if fmt == "vllm" else None)  # vLLM's top-level key
     expected = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
@@ -218,17 +217,125 @@ def assert_decodes_alike(target, exported, trained, tokenizer):
 
 def test_sglang_cannot_express_the_embeddings_as_an_aux_layer(tmp_path, checkpoint):
     _, folder, _ = checkpoint("eagle3", "drafter.eagle.aux_layer_ids=[0,2,3]")
-    assert config(export(folder, "vllm", tmp_path / "v"))["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
-    with pytest.raises(SpecdrafterError, match="aux layer id 0 .* cannot be written for SGLang"):
+    out = export(folder, "vllm", tmp_path / "v")
+    assert config(out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    card = (out / "README.md").read_text()
+    assert "id 0 is the token embedding, which vLLM captures" in card and "cannot capture" not in card
+    with pytest.raises(SpecdrafterError, match="aux layer id 0 .* cannot be written for SGLang .* unverified"):
         export(folder, "sglang", tmp_path / "s")
     assert not (tmp_path / "s").exists() and [p.name for p in tmp_path.iterdir()] == ["v"]  # no temp folder left
+
+
+def test_sglang_cannot_express_the_last_layers_output(tmp_path, checkpoint):
+    _, folder, _ = checkpoint("eagle3", "drafter.eagle.aux_layer_ids=[1,2,4]")  # 4 = the tiny target's last layer
+    with pytest.raises(SpecdrafterError, match=r"aux layer id 4 \(the last layer's output\) cannot be written for "
+                                               r"SGLang .* input to layer 4, which its 4-layer loop never reaches.* "
+                                               r"--format vllm and speculators carry id 4") as e:
+        export(folder, "sglang", tmp_path / "s")
+    assert "\n" not in str(e.value) and not (tmp_path / "s").exists()
+    for fmt in ("vllm", "speculators"):
+        assert config(export(folder, fmt, tmp_path / fmt))["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    bare = tmp_path / "bare" / "drafter"  # no recipe beside it: the target's layer count is unknown
+    shutil.copytree(folder / "drafter", bare)
+    with pytest.raises(SpecdrafterError, match="--format sglang checks the aux layer ids against the target's layer "
+                                               "count, but no config.json of the target"):
+        export(bare, "sglang", tmp_path / "s")
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_a_full_vocabulary_head_exports_without_d2t_and_t2d(tmp_path, fmt, checkpoint, target):
+    _, folder, head = checkpoint("eagle3", "drafter.eagle.draft_vocab_size=0")  # the schema's default: Vd = V
+    out = export(folder, fmt, tmp_path / fmt)
+    V, tensors = target.config.vocab_size, weight_shapes(out / "model.safetensors")
+    assert "d2t" not in tensors and "t2d" not in tensors and tensors["lm_head.weight"][0] == (V, 32)
+    assert config(out)["draft_vocab_size"] == V  # vLLM then has no draft-to-target map: a d2t tensor would fail
+    reloaded = load_eagle3(out) if fmt == "vllm" else eagle3_from_export(out, fmt)  # identity maps filled in
+    assert torch.equal(reloaded.d2t, head.d2t) and torch.equal(reloaded.t2d, head.t2d)
+    torch.testing.assert_close(eagle_logits(reloaded, target, IDS), eagle_logits(head, target, IDS), rtol=0, atol=0)
+    if fmt == "vllm":  # a full vocabulary whose d2t is not the identity cannot be written without d2t
+        bad = shutil.copytree(folder, tmp_path / "bad")
+        weights = load_file(str(bad / "drafter" / "model.safetensors"))
+        weights["d2t"][0] = 1
+        save_file(weights, str(bad / "drafter" / "model.safetensors"))
+        with pytest.raises(SpecdrafterError, match="has a full draft vocabulary .* but d2t/t2d are not the identity"):
+            export(bad, fmt, tmp_path / "b")
+
+
+@pytest.mark.parametrize("ids, what", [([3, 1, 2], "are not in increasing order"), ([1, 1, 3], "repeat a layer")])
+def test_a_head_with_unsorted_or_repeated_aux_ids_is_refused(tmp_path, ids, what, checkpoint):
+    _, folder, _ = checkpoint("eagle3")
+    bad = shutil.copytree(folder, tmp_path / "ckpt")
+    c = config(bad / "drafter")
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    (bad / "drafter" / "config.json").write_text(json.dumps(c))
+    for fmt in ("vllm", "sglang", "speculators"):
+        with pytest.raises(SpecdrafterError, match=re.escape(f"drafter.eagle.aux_layer_ids = {ids} {what}: engines "
+                                                             "capture each aux layer once, in layer order") +
+                           ".*retrain the head") as e:
+            export(bad, fmt, tmp_path / fmt)
+        assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_each_engine_export_says_what_the_other_engine_would_capture(tmp_path, checkpoint):
+    _, folder, _ = checkpoint("eagle3")
+    v, s = export(folder, "vllm", tmp_path / "v"), export(folder, "sglang", tmp_path / "s")
+    assert "aux_layer_id_convention" not in (v / "config.json").read_text() + (s / "config.json").read_text()
+    assert "eagle_aux_hidden_state_layer_ids" not in config(s)  # the top-level key is vLLM's: SGLang reads eagle_config
+    card = (v / "README.md").read_text()
+    assert "**Served by SGLang**" in card and "inputs to layers [2, 3, 4], one layer later than trained" in card
+    card = (s / "README.md").read_text()
+    assert "**Served by vLLM**" in card and "the head was trained on [1, 2, 3]" in card
+    assert "one layer earlier than trained" in card and "falls back to its default layers" in card
+
+
+def test_cards_name_the_engine_versions_that_load_each_export(tmp_path, checkpoint):
+    _, eagle, _ = checkpoint("eagle3")
+    _, medusa, _ = checkpoint("medusa")
+
+    def card(folder, fmt):
+        return (export(folder, fmt, tmp_path / fmt) / "README.md").read_text()
+    both, library = "vLLM 0.32.0 and 0.33.0", "the speculators library's own loader"
+    for fmt, engines in [("vllm", f"{both} load"), ("speculators", f"{both} and {library} load"),
+                         ("sglang", "SGLang 0.5.23 loads")]:
+        text = card(eagle, fmt)
+        assert f"**Engine versions:** {engines} this folder unchanged (other versions are not checked)." in text
+        assert "The EAGLE repo's own `EaModel` is not supported" in text
+    text = card(medusa, "medusa-vllm")
+    assert "vLLM 0.32.0 loads this folder unchanged; vLLM 0.33 has no Medusa method" in text
+    assert "pin `vllm==0.32.0`" in text
+    assert "`drafter.kind=eagle3`" in text and "EaModel" not in text
+
+
+def test_speculators_names_the_hub_id_of_a_converted_builtin_target_and_explains_a_local_one(tmp_path, checkpoint,
+                                                                                            target_dir):
+    _, folder, _ = checkpoint("eagle3")
+    local = export(folder, "speculators", tmp_path / "local")
+    card = (local / "README.md").read_text()
+    assert config(local)["speculators_config"]["verifier"]["name_or_path"] == target_dir.name
+    assert f"holds only its folder name `{target_dir.name}`" in card and "```bash\nvllm serve ./local\n```" not in card
+    assert f"vllm serve <path to {target_dir.name}> --speculative-config" in card
+    converted = tmp_path / "cache" / "SmolLM2-135M-Instruct"  # specdrafter's converted copy of the built-in target
+    shutil.copytree(target_dir, converted)
+    (converted / "conversion_check.json").write_text(json.dumps({"identical": True}))
+    ckpt = shutil.copytree(folder, tmp_path / "ckpt")
+    recipe = OmegaConf.load(ckpt / "recipe.yaml")
+    recipe.target.model = str(converted)
+    (ckpt / "recipe.yaml").write_text(OmegaConf.to_yaml(recipe))
+    out = export(ckpt, "speculators", tmp_path / "hub")
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config(out)["speculators_config"]["verifier"] == {"name_or_path": hub_id, "architectures": ["LlamaForCausalLM"]}
+    card = (out / "README.md").read_text()
+    assert front_matter(card)["base_model"] == hub_id and "```bash\nvllm serve ./hub\n```" in card
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["target"]["model"] == hub_id
 
 
 # ------------------------------------------------------------------------------------------------- Medusa
 @pytest.mark.parametrize("fmt", ["medusa-vllm", "medusa"])
 def test_medusa_exports_load_back_and_decode_like_the_target(tmp_path, fmt, checkpoint, target, target_dir,
                                                              smollm2_tokenizer):
-    _, folder, heads = checkpoint("medusa")
+    n = 5 if fmt == "medusa" else 3  # the Medusa repo's loader builds 5 heads whatever the config says
+    _, folder, heads = checkpoint("medusa", *([f"drafter.medusa.num_heads={n}"] if n != 3 else []))
     out = export(folder, fmt, tmp_path / fmt)
     c, V = config(out), target.config.vocab_size
     if fmt == "medusa-vllm":
@@ -242,12 +349,12 @@ def test_medusa_exports_load_back_and_decode_like_the_target(tmp_path, fmt, chec
             **{f"lm_heads.{i}.weight": ((V, 32), "F32") for i in range(3)}}
         reloaded = load_medusa(out)
     else:
-        assert c == {"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": target_dir.name}
+        assert c == {"medusa_num_heads": 5, "medusa_num_layers": 1, "base_model_name_or_path": target_dir.name}
         assert not (out / "model.safetensors").exists()
         assert weight_shapes(out / "medusa_lm_head.safetensors") == {
-            **{f"{i}.0.linear.weight": ((32, 32), "F32") for i in range(3)},
-            **{f"{i}.0.linear.bias": ((32,), "F32") for i in range(3)},
-            **{f"{i}.1.weight": ((V, 32), "F32") for i in range(3)}}
+            **{f"{i}.0.linear.weight": ((32, 32), "F32") for i in range(5)},
+            **{f"{i}.0.linear.bias": ((32,), "F32") for i in range(5)},
+            **{f"{i}.1.weight": ((V, 32), "F32") for i in range(5)}}
         reloaded = medusa_from_repo_layout(out)
     hidden = torch.randn(5, 32)
     torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
@@ -255,10 +362,20 @@ def test_medusa_exports_load_back_and_decode_like_the_target(tmp_path, fmt, chec
 
 
 def test_medusa_repo_layout_refuses_distinct_resblocks_it_would_tie(tmp_path, checkpoint):
-    _, folder, _ = checkpoint("medusa", "drafter.medusa.num_layers=2")
+    _, folder, _ = checkpoint("medusa", "drafter.medusa.num_layers=2", "drafter.medusa.num_heads=5")
     with pytest.raises(SpecdrafterError, match=r"repeats one ResBlock per head .* --format medusa-vllm"):
         export(folder, "medusa", tmp_path / "m")
     assert weight_shapes(export(folder, "medusa-vllm", tmp_path / "v") / "model.safetensors")["blocks.2.layers.1.bias"][0] == (32,)
+
+
+@pytest.mark.parametrize("heads, lost", [(3, "heads 4..5 would stay untrained"), (6, "head 6 would be dropped")])
+def test_medusa_repo_layout_refuses_a_head_count_its_loader_cannot_build(tmp_path, heads, lost, checkpoint):
+    _, folder, _ = checkpoint("medusa", *([f"drafter.medusa.num_heads={heads}"] if heads != 3 else []))
+    with pytest.raises(SpecdrafterError, match=rf"--format medusa cannot express {heads} heads: the Medusa repo's "
+                                               rf"loader builds 5 .*strict=False, so {lost}; train "
+                                               r"drafter.medusa.num_heads=5 or export --format medusa-vllm") as e:
+        export(folder, "medusa", tmp_path / "m")
+    assert "\n" not in str(e.value) and not (tmp_path / "m").exists()
 
 
 def test_medusa2_exports_the_backbone_to_serve_as_the_target(tmp_path, checkpoint, target):
@@ -347,11 +464,12 @@ def test_card_recipe_and_step_with_no_paths_or_tokens(tmp_path, monkeypatch, che
 
 
 def test_held_out_metrics_fill_the_card_without_an_evaluation(tmp_path, checkpoint):
-    _, folder, _ = checkpoint("medusa")
+    _, folder, _ = checkpoint("medusa", "drafter.medusa.num_heads=5")
     card = (export(folder, "medusa", tmp_path / "m") / "README.md").read_text()
     assert front_matter(card)["tags"] == ["speculative-decoding", "medusa"] and "base_model" not in front_matter(card)
     assert "| prediction | α̂ | top-1 |" in card and "| head1 | 0.5 | 0.5 |" in card and "| head3 | 0.3 | 0.3 |" in card
     assert "text-generation-launcher --model-id ./m" in card
+    assert "reads only `medusa_lm_head.pt` and builds 5 heads, as many as this export has" in card
 
 
 def test_a_token_in_the_recipe_stops_the_export(tmp_path, checkpoint):

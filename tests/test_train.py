@@ -581,6 +581,8 @@ def test_llama8b_recipes_validate_and_build_on_a_shrunken_target(tmp_path, name,
     target = LlamaForCausalLM(small).to(torch.bfloat16).eval().requires_grad_(False)
     tokens = SimpleNamespace(target_tokens=lambda: [torch.randint(0, V, (3000,), generator=torch.Generator().manual_seed(0))])
     drafter = build_drafter(cfg, target, tokens)
+    assert {q.dtype for q in drafter.module.parameters()} == {torch.float32}  # master weights
+    drafter.module.to(torch.bfloat16)  # as DeepSpeed's bf16 mode (train.precision=bf16) casts it
 
     g = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, V, (2, 12), generator=g)
@@ -588,7 +590,8 @@ def test_llama8b_recipes_validate_and_build_on_a_shrunken_target(tmp_path, name,
     loss_mask[:, 5:] = 1
     batch = Batch(input_ids, loss_mask, torch.ones(2, 12, dtype=torch.long))
     with torch.no_grad():
-        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, needed_layers(cfg, small)))
+        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, needed_layers(cfg, small),
+                                                                      dtype=torch.bfloat16))
     expected = {"llama8b": [f"step{j}" for j in range(7)], "llama8b-medusa": [f"head{h}" for h in range(1, 6)],
                 "llama8b-draft": ["draft"]}[name]
     assert [p.name for p in preds] == drafter.prediction_names == expected
@@ -616,6 +619,16 @@ def test_aux_layer_out_of_range_and_draft_vocabulary_too_large(tmp_path, peaky_t
     V = target.config.vocab_size
     with pytest.raises(SpecdrafterError, match=f"draft_vocab_size' \\({V + 1}\\) exceeds the target's vocabulary of {V}"):
         build_drafter(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.draft_vocab_size={V + 1}"), target)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ("[3,1,2]", r"recipe key 'drafter.eagle.aux_layer_ids' = \[3, 1, 2\] are not in increasing order"),
+    ("[1,1,3]", r"recipe key 'drafter.eagle.aux_layer_ids' = \[1, 1, 3\] repeat a layer"),
+    ("[]", r"recipe key 'drafter.eagle.aux_layer_ids' \(the default for a 4-layer target\) = \[2, 2, 1\] repeat a layer")])
+def test_aux_layer_ids_out_of_order_or_repeated_are_refused(tmp_path, ids, message, peaky_target, data_dir, target):
+    with pytest.raises(SpecdrafterError, match=message + ": engines capture each aux layer once, in layer order") as e:
+        build_drafter(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.aux_layer_ids={ids}"), target)
+    assert "\n" not in str(e.value)
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, peaky_target, data_dir, target, smollm2_tokenizer):
@@ -676,3 +689,126 @@ def test_wandb_offline_logs_the_run_and_warm_start_begins_from_a_checkpoint(tmp_
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     reference = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert first["loss"] < reference[0]["loss"]  # starts from trained weights, not from scratch
+
+
+# ------------------------------------------------------------------------------------ damaged checkpoints
+def damage(path: Path, how: str) -> None:
+    """truncate (half the file), zero (every byte 0, same size) or bitflip (one bit in the middle)."""
+    raw = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(raw[: len(raw) // 2]))
+    elif how == "zero":
+        path.write_bytes(bytes(len(raw)))
+    else:
+        raw[len(raw) // 2] ^= 0x10
+        path.write_bytes(bytes(raw))
+
+
+CHECKPOINT_FILES = ["mp_rank_00_model_states.pt", "drafter/config.json", "drafter/model.safetensors", "recipe.yaml",
+                    "trainer_state.json"]
+
+
+def test_a_checkpoint_records_the_checksum_of_every_file(uninterrupted):
+    newest = complete_checkpoints(uninterrupted / "checkpoints")[-1]
+    state = json.loads((newest / "trainer_state.json").read_text())
+    written = {p.relative_to(newest).as_posix() for p in newest.rglob("*") if p.is_file()} - {"trainer_state.json"}
+    assert set(state["files"]) == written and set(CHECKPOINT_FILES) - {"trainer_state.json"} <= written
+    assert state["step"] == 6 and len(state["state_sha256"]) == 64
+
+
+@pytest.mark.parametrize("how", ["truncate", "zero", "bitflip"])
+@pytest.mark.parametrize("name", CHECKPOINT_FILES)
+def test_a_damaged_newest_checkpoint_is_named_and_moved_aside(tmp_path, uninterrupted, name, how):
+    from data.io import discard_damaged_checkpoints
+    root = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", root)
+    assert discard_damaged_checkpoints(root) == []  # intact: nothing moved
+    damage(root / "step-000006" / name, how)
+    lines = discard_damaged_checkpoints(root)
+    assert len(lines) == 1 and "step-000006 is damaged" in lines[0] and "resuming from step-000005" in lines[0]
+    assert name in lines[0], lines[0]
+    assert [p.name for p in complete_checkpoints(root)] == ["step-000005"]
+    assert (root / "step-000006.damaged" / name).is_file()  # kept for a look, never resumed from
+
+
+def test_resume_skips_a_damaged_checkpoint_and_trusts_one_written_before_checksums(tmp_path, monkeypatch, caplog,
+                                                                                 uninterrupted, peaky_target, data_dir):
+    """Killed after step 3: step 3's DeepSpeed state gets a flipped bit, step 2 loses its checksums (as checkpoints
+    written before them have none). The resume moves step 3 aside, resumes step 2 unverified, and ends bit-exact."""
+    cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, *RESUME)
+    kill_after(monkeypatch, 3)
+    with pytest.raises(Killed):
+        train.loop.train(cfg)
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    damage(root / "step-000003" / "mp_rank_00_model_states.pt", "bitflip")
+    legacy = json.loads((root / "step-000002" / "trainer_state.json").read_text())
+    (root / "step-000002" / "trainer_state.json").write_text(json.dumps(
+        {k: v for k, v in legacy.items() if k not in ("files", "state_sha256")}))
+    with caplog.at_level("WARNING", logger="specdrafter"):
+        train.loop.train(cfg)
+    moved = [r.message for r in caplog.records if "is damaged" in r.message]
+    assert moved == [f"checkpoint {root / 'step-000003'} is damaged (mp_rank_00_model_states.pt does not match its "
+                     "checksum): moved aside to step-000003.damaged; resuming from step-000002"]
+    assert (root / "step-000003.damaged").is_dir()
+    reference, resumed = drafter_weights(uninterrupted), drafter_weights(tmp_path)
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
+
+
+def test_an_unreadable_checkpoint_without_checksums_is_one_line():
+    class Engine:
+        def load_checkpoint(self, *args, **kwargs):
+            raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+    with pytest.raises(SpecdrafterError, match=r"^checkpoint /run/checkpoints/step-000004 cannot be loaded \("
+                                               r"PytorchStreamReader failed reading zip archive: .*\); move it aside"):
+        train.loop.load_deepspeed_state(Engine(), Path("/run/checkpoints/step-000004"))
+
+    class Empty:
+        def load_checkpoint(self, *args, **kwargs):
+            return None, None
+    with pytest.raises(SpecdrafterError, match="holds no DeepSpeed training state"):
+        train.loop.load_deepspeed_state(Empty(), Path("/run/checkpoints/step-000004"))
+
+
+def test_max_length_beyond_the_targets_positions_names_the_key(tmp_path, peaky_target, data_dir):
+    with pytest.raises(SpecdrafterError, match=r"'train.max_length' \(100000\) exceeds the target's "
+                                               r"max_position_embeddings \(512\)"):
+        train.loop.train(recipe("eagle3", tmp_path, peaky_target, data_dir, "train.max_length=100000"))
+
+
+def test_two_ranks_record_every_ranks_files_and_resume_past_a_damaged_shard(tmp_path, deepspeed_run, peaky_target,
+                                                                            data_dir):
+    """ZeRO-2 over 2 ranks: rank 0 records rank 1's optimizer shard too; with that shard damaged, the rerun moves the
+    newest checkpoint aside (rank 0, before any rank loads) and both ranks resume from the one before."""
+    from data.io import checkpoint_problem, write_checkpoint_state
+    done, out = deepspeed_run("eagle3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = json.loads((out / "checkpoints" / "step-000008" / "trainer_state.json").read_text())["files"]
+    shard = next(name for name in files if name.startswith("zero_pp_rank_1_"))
+    assert checkpoint_problem(out / "checkpoints" / "step-000008") is None
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    for folder in complete_checkpoints(run / "checkpoints"):  # the copy's recipes name the copy's folder, re-sealed
+        saved = folder / "recipe.yaml"
+        saved.write_text(saved.read_text().replace(f"output_dir: {out}", f"output_dir: {run}"))
+        state = json.loads((folder / "trainer_state.json").read_text())
+        write_checkpoint_state(folder, {k: v for k, v in state.items() if k not in ("files", "state_sha256")})
+    damage(run / "checkpoints" / "step-000008" / shard, "bitflip")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    launcher = Path(sys.executable).with_name("deepspeed")
+    script, extra = LAUNCHES["eagle3"]
+    again = subprocess.run([str(launcher) if launcher.exists() else "deepspeed", "--num_accelerators", "2",
+                            "--master_port", str(free_port()), f"launch/{script}",
+                            str(REPO / "recipes" / f"{RECIPES['eagle3']}.yaml"),
+                            f"output_dir={run}", f"target.model={peaky_target}", f"train.data_dir={data_dir}", *TINY,
+                            f"train.max_steps={STEPS}", "train.eval_every=1", "train.save_every=4", *extra],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    log_text = again.stdout + again.stderr
+    assert f"step-000008 is damaged ({shard} does not match its checksum)" in log_text
+    assert "resuming from step-000004" in log_text
+    assert (run / "checkpoints" / "step-000008.damaged").is_dir()
+    assert checkpoint_problem(run / "checkpoints" / "step-000008") is None  # written again, intact

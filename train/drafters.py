@@ -23,8 +23,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from data.features import capture_features, check_layer_ids
-from data.io import SpecdrafterError, publish_dir, temp_dir_beside, write_config_and_weights
-from inference.eagle import Eagle1Head, Eagle3Head, eagle1_config, eagle3_config, save_eagle3
+from data.io import SpecdrafterError, check_model_folder, publish_dir, temp_dir_beside, write_config_and_weights
+from inference.eagle import Eagle1Head, Eagle3Head, check_aux_order, eagle1_config, eagle3_config, save_eagle3
 from inference.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from train.batches import Batch
 from train.eagle import build_draft_vocab, shift_left, training_time_test
@@ -146,6 +146,8 @@ class DraftModelDrafter:
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         dr = cfg.drafter
         if dr.path:
+            if Path(dr.path).expanduser().is_dir():  # a local folder: damaged weights are one line naming the file
+                check_model_folder(Path(dr.path).expanduser(), "draft model")
             try:
                 module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=MASTER_DTYPE)
             except (OSError, ValueError) as e:
@@ -283,6 +285,8 @@ class Eagle3Drafter:
         L, V = target.config.num_hidden_layers, target.config.vocab_size
         aux = list(e.aux_layer_ids) or default_aux_layers(L)
         check_layer_ids(target, aux, "drafter.eagle.aux_layer_ids")
+        default = "" if e.aux_layer_ids else f" (the default for a {L}-layer target)"
+        check_aux_order(aux, f"recipe key 'drafter.eagle.aux_layer_ids'{default}")
         if e.draft_vocab_size > V:
             raise SpecdrafterError(f"recipe key 'drafter.eagle.draft_vocab_size' ({e.draft_vocab_size}) exceeds the "
                                    f"target's vocabulary of {V} tokens")

@@ -5,14 +5,20 @@ it to the Hugging Face Hub.
                             [--push-to-hub REPO_ID [--private]]
 
     drafter kind  --format     what DIR holds
-    eagle3        vllm         HF-style EAGLE-3 folder (LlamaForCausalLMEagle3; midlayer.*, fc, norm, lm_head, d2t, t2d);
-                               aux-layer ids in vLLM's reading, id k = the input to target layer k (= ours)
-                  sglang       the same layout, ids in SGLang's reading: SGLang captures the input to layer id + 1
-                               (sglang/srt/models/llama.py, set_eagle3_layers_to_capture), so ours are written as k − 1
+    eagle3        vllm         HF-style EAGLE-3 folder (LlamaForCausalLMEagle3; midlayer.*, fc, norm, lm_head, and d2t,
+                               t2d unless the draft vocabulary is the full one); aux-layer ids in vLLM's reading, id k =
+                               the input to target layer k (= ours), at top level and in eagle_config
+                  sglang       the same layout, ids in SGLang's reading, in eagle_config only: SGLang captures the input
+                               to layer id + 1 (sglang/srt/models/llama.py, set_eagle3_layers_to_capture), so ours are
+                               written as k − 1; ids 0 and L (= the target's num_hidden_layers) are refused
                   speculators  the speculators library's Eagle3Speculator (`vllm serve DIR`): weights layers.0.*
     medusa        medusa-vllm  vLLM's MedusaModel (our native layout): blocks.{i}.layers.{j}.*, lm_heads.{i}.weight
-                  medusa       the Medusa repo's layout: medusa_lm_head.safetensors with {i}.{j}.linear.*, {i}.{L}.weight
+                  medusa       the Medusa repo's layout: medusa_lm_head.safetensors with {i}.{j}.linear.*,
+                               {i}.{L}.weight; 5 heads only (the repo's loader builds 5 whatever the config says)
     draft_model   hf-draft     a plain HF causal LM with the target's tokenizer
+
+Each export carries only the keys its engine reads (no specdrafter-only keys), so the model card says what happens
+when a folder is served by the other engine. ENGINES lists the engine versions known to load each format.
 
 Every export also holds README.md (the model card: acceptance, serving commands, the aux-layer convention, the
 recipe), recipe.yaml and trainer_state.json (the training step). Medusa-2 heads come with the fine-tuned
@@ -31,15 +37,17 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import HfApi, get_token, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
-from data.assets import HUB_IDS
+from data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
 from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints, publish_dir,
                      temp_dir_beside)
-from inference.eagle import EAGLE1_ARCH, load_eagle3
+from data.io import check_model_folder, json_file_problem, read_checkpoint_state
+from data.recipe import load_saved_recipe
+from inference.eagle import EAGLE1_ARCH, check_aux_order, load_eagle3
 from inference.medusa import load_medusa
 
 FORMATS = {"vllm": "eagle3", "sglang": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa", "medusa": "medusa",
@@ -50,6 +58,22 @@ ENGINE_K = 4  # speculative tokens written for engines when the recipe's inferen
 TAGS = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft-model"}
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
+BUILTIN_DIRS = {"smollm2-135m-instruct": SMOLLM2_DIR}  # built-in target → its converted folder (data/assets.py)
+MEDUSA_REPO_HEADS = 5  # the Medusa repo's MedusaModel.from_pretrained builds this many heads whatever the config says
+ENGINES = {  # --format → the engine versions known to load it (their own code on CPU; issue 15), for the model card
+    "vllm": "vLLM 0.32.0 and 0.33.0 load this folder unchanged (other versions are not checked)",
+    "sglang": "SGLang 0.5.23 loads this folder unchanged (other versions are not checked)",
+    "speculators": ("vLLM 0.32.0 and 0.33.0 and the speculators library's own loader load this folder unchanged "
+                    "(other versions are not checked)"),
+    "medusa-vllm": ("vLLM 0.32.0 loads this folder unchanged; vLLM 0.33 has no Medusa method (`medusa` is not an "
+                    "allowed speculative method): pin `vllm==0.32.0`, or train an EAGLE-3 head "
+                    "(`drafter.kind=eagle3`), which current vLLM and SGLang serve"),
+    "medusa": ("none checked: the Medusa repo's own loader needs the one-line conversion below; TGI and TensorRT-LLM "
+               "read the files as they are"),
+    "hf-draft": "transformers loads this folder (assisted generation); vLLM and SGLang draft-model serving is not checked",
+}
+EAGLE_REPO = ("The EAGLE repo's own `EaModel` is not supported: with `target_hidden_size` in the config (always "
+              "written here) it does not give the head the target's token embeddings.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -76,7 +100,7 @@ def find_source(path: str | os.PathLike) -> Source:
     elif (path / "config.json").is_file() and (path.parent / "trainer_state.json").is_file():
         path = path.parent  # a checkpoint's drafter/ folder: the checkpoint knows its step and recipe
     if (path / "trainer_state.json").is_file():
-        state = json.loads((path / "trainer_state.json").read_text())
+        state = read_checkpoint_state(path, only=("drafter/", "recipe.yaml"))  # damaged: one line naming the file
         drafter, run = path / "drafter", path.parent.parent
     elif (path / "drafter" / "config.json").is_file():  # a run whose checkpoints were removed
         state, drafter, run = {}, path / "drafter", path
@@ -88,10 +112,11 @@ def find_source(path: str | os.PathLike) -> Source:
                                "trainer_state.json), a run's output_dir (checkpoints/) or a drafter folder (config.json)")
     if not (drafter / "config.json").is_file():
         raise SpecdrafterError(f"{str(path)!r} has no drafter/config.json: the checkpoint is incomplete")
-    recipe = OmegaConf.load(path / "recipe.yaml") if (path / "recipe.yaml").is_file() else None
+    check_model_folder(drafter, "drafter folder")
+    recipe = load_saved_recipe(path / "recipe.yaml") if (path / "recipe.yaml").is_file() else None
     results = run / "eval" / "results.json"
     return Source(drafter, state.get("drafter") or drafter_kind(drafter), recipe, state,
-                  results if results.is_file() else None)
+                  results if results.is_file() and json_file_problem(results) is None else None)
 
 
 def drafter_kind(folder: Path) -> str:
@@ -117,22 +142,51 @@ class Target:
     hub_id: Optional[str]  # None: a local model without a known Hub id
     name: str  # what to call it in the card: the Hub id, or the local folder's name (never its path)
     architectures: List[str]
+    num_layers: Optional[int] = None  # num_hidden_layers of its config.json, where this machine has one
 
 
 def target_of(recipe: Optional[DictConfig]) -> Target:
     """The target the drafter was trained for, as a Hub id where one is known (a local folder's path is never
-    written: it means nothing elsewhere and can name a user)."""
+    written: it means nothing elsewhere and can name a user). A local folder has a known Hub id only when it is
+    specdrafter's converted copy of a built-in target: any other may differ from every Hub model."""
     model = OmegaConf.select(recipe, "target.model") if recipe is not None else None
     if model is None:
         return Target(None, "unknown target", [])
-    if model in HUB_IDS:
-        return Target(HUB_IDS[model], HUB_IDS[model], ["LlamaForCausalLM"])
     local = Path(model).expanduser()
-    if model.startswith(("/", ".", "~")) or local.exists():
-        config = local / "config.json"
-        architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
-        return Target(None, local.resolve().name, architectures)
-    return Target(model, model, [])
+    if model not in HUB_IDS and (model.startswith(("/", ".", "~")) or local.exists()):
+        local, config = local.resolve(), read_config(local / "config.json")
+        hub_id = builtin_hub_id(local)
+        return Target(hub_id, hub_id or local.name, config.get("architectures") or [], config.get("num_hidden_layers"))
+    config = hub_config(model)
+    default = ["LlamaForCausalLM"] if model in HUB_IDS else []
+    return Target(HUB_IDS.get(model, model), HUB_IDS.get(model, model), config.get("architectures") or default,
+                  config.get("num_hidden_layers"))
+
+
+def builtin_hub_id(folder: Path) -> Optional[str]:
+    """The Hub id a local folder converts, if it is a built-in target's converted copy (data/assets.py names the
+    folder and writes conversion_check.json into it), else None."""
+    name = next((n for n, d in BUILTIN_DIRS.items() if folder.name == d), None)
+    return HUB_IDS[name] if name and (folder / "conversion_check.json").is_file() else None
+
+
+def hub_config(model: str) -> dict:
+    """The config.json of a built-in name or Hub id where this machine already has it (the built-in's converted
+    copy, the Hugging Face cache); nothing is downloaded. {} if none."""
+    if model in BUILTIN_DIRS and read_config(cache_dir() / "models" / BUILTIN_DIRS[model] / "config.json"):
+        return read_config(cache_dir() / "models" / BUILTIN_DIRS[model] / "config.json")
+    try:
+        cached = try_to_load_from_cache(HUB_IDS.get(model, model), "config.json")
+    except ValueError:  # not a valid repo id
+        cached = None
+    return read_config(Path(cached)) if isinstance(cached, str) else {}
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def scrub(value):
@@ -197,48 +251,77 @@ def check_kind(src: Source, fmt: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- EAGLE-3
 def write_eagle3(src: Source, folder: Path, target: Target, fmt: str) -> None:
-    """config.json + model.safetensors of an EAGLE-3 head. Our head keeps the un-normalised hidden state as the
-    residual (EAGLE-3, SGLang), i.e. norm_before_residual = false, written out because speculators configs
-    default to true."""
+    """config.json + model.safetensors of an EAGLE-3 head, with what its engine reads. Our head keeps the
+    un-normalised hidden state as the residual (EAGLE-3, SGLang), i.e. norm_before_residual = false, written out
+    because speculators configs default to true."""
     raw = json.loads((src.drafter / "config.json").read_text())
     if not (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
         raise SpecdrafterError(f"{str(src.drafter)!r} has no eagle_config.eagle_aux_hidden_state_layer_ids: the target "
                                "layers it reads are unknown")
     ids = load_eagle3(src.drafter).aux_layer_ids  # refuses a folder that is not a loadable EAGLE-3 head
-    layer = draft_layer_config(raw)
+    check_aux_order(ids, f"{str(src.drafter)!r}: drafter.eagle.aux_layer_ids", "retrain the head with three "
+                    "distinct ids, low to high")
+    written = sglang_ids(ids, target) if fmt == "sglang" else ids
+    layer, weights = draft_layer_config(raw), engine_weights(src.drafter, raw)
     eagle = {"draft_vocab_size": raw["draft_vocab_size"], "target_hidden_size": raw.get("target_hidden_size")
              or raw["hidden_size"], "norm_before_residual": False}
-    weights = src.drafter / "model.safetensors"
     if fmt == "speculators":
-        if target.hub_id is None and src.recipe is None:
-            raise SpecdrafterError("--format speculators names the verifier: export from a checkpoint folder or run "
-                                   "(whose recipe.yaml names the target), not a bare drafter folder")
-        config = {"architectures": ["Eagle3Speculator"], "model_type": "speculators", "speculators_model_type": "eagle3",
-                  "speculators_config": {
-                      "algorithm": "eagle3", "default_proposal_method": "greedy",
-                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": engine_block_length(src),
-                                            "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                      "verifier": {"name_or_path": target.hub_id or target.name,
-                                   "architectures": target.architectures}},
-                  "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
-                  **eagle, "eagle_aux_hidden_state_layer_ids": ids}
-        renamed = {re.sub(r"^midlayer\.", "layers.0.", name): t for name, t in load_file(str(weights)).items()}
-        save_weights(renamed, folder / "model.safetensors")
-    else:
-        if fmt == "sglang":
-            if 0 in ids:
-                raise SpecdrafterError(f"aux layer id 0 (the token embedding) cannot be written for SGLang, which reads "
-                                       f"id k as the output of layer k (ids {ids}); export --format vllm instead")
-            ids, convention = [k - 1 for k in ids], "output"
-        else:
-            convention = "input"
+        config = speculators_config(src, target, layer, eagle, ids)
+        weights = {re.sub(r"^midlayer\.", "layers.0.", name): t for name, t in weights.items()}
+    else:  # SGLang reads eagle_config only; vLLM the top-level ids first, and eagle_config.use_aux_hidden_state
         config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], **eagle,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True,
-                                   "aux_layer_id_convention": convention}}
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": written, "use_aux_hidden_state": True}}
         if fmt == "vllm":
-            config["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM reads the top-level key, SGLang the nested one
-        shutil.copyfile(weights, folder / "model.safetensors")
+            config["eagle_aux_hidden_state_layer_ids"] = ids
+    save_weights(weights, folder / "model.safetensors")
     atomic_write_json(folder / "config.json", config)
+
+
+def speculators_config(src: Source, target: Target, layer: dict, eagle: dict, ids: List[int]) -> dict:
+    if target.hub_id is None and src.recipe is None:
+        raise SpecdrafterError("--format speculators names the verifier: export from a checkpoint folder or run "
+                               "(whose recipe.yaml names the target), not a bare drafter folder")
+    return {"architectures": ["Eagle3Speculator"], "model_type": "speculators", "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": engine_block_length(src),
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": target.hub_id or target.name, "architectures": target.architectures}},
+            "transformer_layer_config": {**layer, "architectures": ["LlamaForCausalLM"]},
+            **eagle, "eagle_aux_hidden_state_layer_ids": ids}
+
+
+def sglang_ids(ids: List[int], target: Target) -> List[int]:
+    """Our ids (id k = the input to target layer k) in SGLang's reading: it captures the input to layer id + 1, so
+    ours are written as k − 1. The embeddings (0) and the last layer's output (L) have no id there."""
+    if 0 in ids:
+        raise SpecdrafterError(f"aux layer id 0 (the token embedding) cannot be written for SGLang (ids {ids}): in its "
+                               "reading it would be −1, and whether SGLang captures the embeddings is unverified; "
+                               "export --format vllm or speculators instead")
+    L = target.num_layers
+    if L is None:
+        raise SpecdrafterError(f"--format sglang checks the aux layer ids against the target's layer count, but no "
+                               f"config.json of the target ({target.name}) is on this machine; export from the run's "
+                               "checkpoint where the target (its folder or the Hugging Face cache) is available")
+    if L in ids:
+        raise SpecdrafterError(f"aux layer id {L} (the last layer's output) cannot be written for SGLang (ids {ids}): "
+                               f"as {L - 1} in its reading SGLang would capture the input to layer {L}, which its "
+                               f"{L}-layer loop never reaches, and the first draft step crashes; --format vllm and "
+                               f"speculators carry id {L} (that vLLM captures it is unverified)")
+    return [k - 1 for k in ids]
+
+
+def engine_weights(drafter: Path, raw: dict) -> Dict[str, torch.Tensor]:
+    """The head's tensors as the engines load them: a full-vocabulary head (draft_vocab_size = vocab_size) without
+    d2t / t2d, since vLLM then has no draft-to-target map to load them into and fails."""
+    weights = load_file(str(drafter / "model.safetensors"))
+    if raw.get("draft_vocab_size") != raw.get("vocab_size"):
+        return weights
+    if weights["d2t"].any() or not weights["t2d"].all():
+        raise SpecdrafterError(f"{str(drafter)!r} has a full draft vocabulary ({raw['vocab_size']} tokens) but d2t/t2d "
+                               "are not the identity: engines drop them for a full vocabulary, so its lm_head rows "
+                               "would name other tokens")
+    return {name: t for name, t in weights.items() if name not in ("d2t", "t2d")}
 
 
 def engine_block_length(src: Source) -> int:
@@ -275,6 +358,14 @@ def write_medusa(src: Source, folder: Path, target: Target, fmt: str) -> None:
         shutil.copyfile(src.drafter / "model.safetensors", folder / "model.safetensors")
         atomic_write_json(folder / "config.json", config)
         return
+    if c.num_heads != MEDUSA_REPO_HEADS:
+        n, repo = c.num_heads, MEDUSA_REPO_HEADS
+        lost = (f"{heads_named(n + 1, repo)} would stay untrained" if n < repo
+                else f"{heads_named(repo + 1, n)} would be dropped")
+        raise SpecdrafterError(f"--format medusa cannot express {c.num_heads} heads: the Medusa repo's loader builds "
+                               f"{MEDUSA_REPO_HEADS} whatever config.json says and loads them with strict=False, so "
+                               f"{lost}; train drafter.medusa.num_heads={MEDUSA_REPO_HEADS} or export --format "
+                               "medusa-vllm")
     L = c.num_hidden_layers
     for i, block in enumerate(heads.blocks):
         if any(not torch.equal(layer.weight, block.layers[0].weight) for layer in block.layers[1:]):
@@ -291,6 +382,10 @@ def write_medusa(src: Source, folder: Path, target: Target, fmt: str) -> None:
     save_weights({k: v.detach().contiguous() for k, v in weights.items()}, folder / "medusa_lm_head.safetensors")
     atomic_write_json(folder / "config.json", {"medusa_num_heads": c.num_heads, "medusa_num_layers": L,
                                                "base_model_name_or_path": base})
+
+
+def heads_named(first: int, last: int) -> str:
+    return f"head {first}" if first == last else f"heads {first}..{last}"
 
 
 # ------------------------------------------------------------------------------------------ draft model
@@ -390,9 +485,10 @@ def markdown_table(header: List[str], rows: List[list]) -> str:
 
 
 def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
-    """Command lines for the engines that load this format (`model`: the Hub repo id, or ./<folder>)."""
+    """Command lines for the engines that load this format (`model`: the Hub repo id, or ./<folder>), the engine
+    versions known to load it, and what a local target needs."""
     k = engine_block_length(src)
-    lines, verifier = [], target.hub_id or "<target model>"
+    lines, verifier = [], target.hub_id or ("<target model>" if src.recipe is None else f"<path to {target.name}>")
     if (src.drafter / "backbone").is_dir():  # Medusa-2: the fine-tuned backbone is the model to serve
         if not model.startswith("./"):
             local = f"./{model.split('/')[-1]}"
@@ -404,40 +500,63 @@ def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
     sglang = ["SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm "
               + {"sglang": "EAGLE3", "hf-draft": "STANDALONE"}.get(fmt, "") + f" --speculative-draft-model-path {model} "
               f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```"]
+    versions = [f"**Engine versions:** {ENGINES[fmt]}." + (" " + EAGLE_REPO if src.kind == "eagle3" else ""), ""]
+    return lines + versions + engine_commands(fmt, src, target, model, vllm, sglang)
+
+
+def engine_commands(fmt: str, src: Source, target: Target, model: str, vllm: List[str], sglang: List[str]) -> List[str]:
     if fmt == "vllm":
-        return lines + vllm + ["", "For SGLang use the `sglang` export: SGLang reads the aux-layer ids differently."]
+        return vllm + ["", "For SGLang use the `sglang` export: SGLang reads the aux-layer ids differently."]
     if fmt == "sglang":
-        return lines + sglang + ["", ("For vLLM use the `vllm` or `speculators` export: vLLM reads the aux-layer "
-                                      "ids differently.")]
+        return sglang + ["", ("For vLLM use the `vllm` or `speculators` export: vLLM reads the aux-layer ids "
+                              "differently.")]
+    if fmt == "speculators" and target.hub_id is None:  # `vllm serve DIR` would look the folder name up on the Hub
+        return [(f"The target is a local model, so the config's `speculators_config.verifier.name_or_path` holds "
+                 f"only its folder name `{target.name}`, which `vllm serve {model}` alone would look up on the Hugging "
+                 "Face Hub and fail. Pass the target's path explicitly (or write it into `verifier.name_or_path`):"),
+                "", *vllm[2:]]
     if fmt == "speculators":
-        return lines + ["vLLM (the config names the verifier and the number of speculative tokens):", "", "```bash",
-                        f"vllm serve {model}", "```", "", "or explicitly:", "", *vllm[2:]]
+        return ["vLLM (the config names the verifier and the number of speculative tokens):", "", "```bash",
+                f"vllm serve {model}", "```", "", "or explicitly:", "", *vllm[2:]]
     if fmt == "medusa-vllm":
-        return lines + vllm + ["", "SGLang does not serve Medusa heads."]
+        return vllm + ["", "SGLang does not serve Medusa heads."]
     if fmt == "medusa":
-        return lines + ["TGI (it reads `medusa_lm_head.safetensors` and the base model named in `config.json`):", "",
-                        "```bash", f"text-generation-launcher --model-id {model}", "```", "",
-                        ("TensorRT-LLM's Medusa checkpoint converter reads the same two files. The Medusa repo's own "
-                         "inference loader (`MedusaModel.from_pretrained`) expects `medusa_lm_head.pt`: "
-                         "`torch.save(safetensors.torch.load_file('medusa_lm_head.safetensors'), 'medusa_lm_head.pt')`.")]
-    return lines + vllm + ["", *sglang, "", "transformers (assisted generation):", "", "```python",
-                           f"draft = AutoModelForCausalLM.from_pretrained({model!r})",
-                           "model.generate(**inputs, assistant_model=draft)", "```"]
+        local = [] if target.hub_id else ["", (f"`base_model_name_or_path` in `config.json` holds only the local "
+                                               f"target's folder name `{target.name}`: set it to the target's path.")]
+        return [("The Medusa repo's own loader (`MedusaModel.from_pretrained`) reads only `medusa_lm_head.pt` and "
+                 f"builds {MEDUSA_REPO_HEADS} heads, as many as this export has. Write that file once:"), "", "```bash",
+                ("python -c \"import torch, safetensors.torch as st; torch.save(st.load_file("
+                 "'medusa_lm_head.safetensors'), 'medusa_lm_head.pt')\""), "```", "",
+                ("TGI reads `medusa_lm_head.safetensors` and the base model named in `config.json` (TensorRT-LLM's "
+                 "Medusa converter reads the same two files):"), "", "```bash",
+                f"text-generation-launcher --model-id {model}", "```", *local]
+    return vllm + ["", *sglang, "", "transformers (assisted generation):", "", "```python",
+                   f"draft = AutoModelForCausalLM.from_pretrained({model!r})",
+                   "model.generate(**inputs, assistant_model=draft)", "```"]
 
 
 def aux_convention(folder: Path, fmt: str) -> str:
+    """The ids as written, what they mean to the engine this folder is for, and what the other engine would capture."""
     config = json.loads((folder / "config.json").read_text())
     ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     if fmt == "sglang":
-        return (f"`eagle_aux_hidden_state_layer_ids` = {ids} in SGLang's reading: id k is the **output** of target "
-                f"layer k (SGLang captures the input to layer k + 1; config `aux_layer_id_convention: output`). In "
-                f"vLLM's reading the same features are {[k + 1 for k in ids]}, so this folder is for SGLang only.")
+        return (f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {ids} in SGLang's reading: id k is the **output** "
+                f"of target layer k (SGLang captures the input to layer k + 1). In vLLM's reading (id k = the input "
+                f"to layer k, specdrafter's own) the head was trained on {[k + 1 for k in ids]}. **Served by vLLM** "
+                "this folder captures the wrong layers without an error: vLLM looks for a top-level "
+                "`eagle_aux_hidden_state_layer_ids`, which this folder lacks, and either reads these ids as layer "
+                "inputs (one layer earlier than trained) or falls back to its default layers; acceptance drops. Use "
+                "the `vllm` or `speculators` export for vLLM.")
     text = (f"`eagle_aux_hidden_state_layer_ids` = {ids} in vLLM's reading: id k is the **input** to target layer k "
-            f"(= the output of layer k − 1; 0 would be the embeddings). SGLang reads ids as layer outputs, so for "
-            f"SGLang these features are {[k - 1 for k in ids]} (use the `sglang` export).")
-    if 0 in ids:  # vLLM's Llama records hidden_states + residual, and there is no residual before layer 0
-        text += " Note: vLLM's Llama models cannot capture id 0 (the embeddings)."
-    return text
+            f"(the output of layer k − 1); id 0 is the token embedding, which vLLM captures, and id L (the target's "
+            f"num_hidden_layers) is the last layer's output.")
+    if fmt == "speculators":
+        return text + " For SGLang use the `sglang` export (SGLang reads ids as layer outputs)."
+    return text + (f" **Served by SGLang** this folder captures the wrong layers: SGLang reads "
+                   f"`eagle_config.eagle_aux_hidden_state_layer_ids` as layer outputs and captures the inputs to "
+                   f"layers {[k + 1 for k in ids]}, one layer later than trained, so acceptance drops without an error "
+                   f"(an id of L − 1 or L asks for a layer SGLang never reaches and crashes the first draft step). Use "
+                   "the `sglang` export for SGLang.")
 
 
 def files_section(folder: Path) -> List[str]:

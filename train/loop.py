@@ -33,8 +33,10 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from data.assets import load_prompt_set, load_target  # noqa: E402
-from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints,  # noqa: E402
-                     publish_dir, temp_dir_beside)
+from data.io import (TRAINER_STATE, SpecdrafterError, atomic_write_text, checkpoint_problem,  # noqa: E402
+                     complete_checkpoints, discard_damaged_checkpoints, first_line, publish_dir, temp_dir_beside,
+                     write_checkpoint_state)
+from data.recipe import load_saved_recipe  # noqa: E402
 from inference.generate import speculative_generate  # noqa: E402
 from inference.run import block_length, build_proposer, serving_model  # noqa: E402
 from inference.sampling import SamplingParams  # noqa: E402
@@ -126,6 +128,37 @@ def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
+def resume_checkpoint(root: Path, rank: int, world: int) -> Optional[Path]:
+    """The newest complete checkpoint whose files match the checksums it recorded. Rank 0 moves a damaged newer one
+    aside (<name>.damaged), one line each; checkpoints written before checksums were recorded resume as they are."""
+    if rank == 0:
+        for line in discard_damaged_checkpoints(root):
+            log.warning(line)
+    if world > 1:
+        dist.barrier()  # every rank then sees the same checkpoints
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def load_deepspeed_state(engine, folder: Path, what: str = "", module_only: bool = False) -> dict:
+    """engine.load_checkpoint of a checkpoint folder, anything wrong with it as one line naming it."""
+    try:
+        path, state = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_module_only=module_only)
+    except Exception as e:  # a checkpoint without checksums, damaged: torch / DeepSpeed cannot read it
+        raise SpecdrafterError(f"{what}checkpoint {folder} cannot be loaded ({first_line(e)}); move it aside (e.g. "
+                               f"rename it to {folder.name}.damaged) to start from the one before") from None
+    if path is None or (not module_only and "step" not in (state or {})):
+        raise SpecdrafterError(f"{what}checkpoint {folder} holds no DeepSpeed training state (*_model_states.pt)")
+    return state
+
+
+def check_fits_target(t: DictConfig, config) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and t.max_length > limit:
+        raise SpecdrafterError(f"recipe key 'train.max_length' ({t.max_length}) exceeds the target's "
+                               f"max_position_embeddings ({limit})")
+
+
 def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
     def flat(c):
         return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
@@ -162,9 +195,9 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     if not t.data_dir:
         raise SpecdrafterError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
 
-    resume = complete_checkpoints(root)[-1] if complete_checkpoints(root) else None
+    resume = resume_checkpoint(root, rank, world)
     if resume is not None:
-        differences = recipe_differences(OmegaConf.load(resume / "recipe.yaml"), cfg)
+        differences = recipe_differences(load_saved_recipe(resume / "recipe.yaml"), cfg)
         if differences:
             raise SpecdrafterError(f"{resume} was made by a different recipe: {', '.join(differences)}; use another "
                                    f"output_dir (with train.warm_start={resume} to start from its weights)")
@@ -173,6 +206,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    check_fits_target(t, target.config)
     target.requires_grad_(False)
     target.to(device)
     layers = needed_layers(cfg, target.config)
@@ -191,13 +225,16 @@ def train(cfg: DictConfig) -> Dict[str, float]:
                                            config=deepspeed_config(t, use_bf16))
     progress = Progress()
     if resume is not None:
-        _, state = engine.load_checkpoint(str(root), tag=resume.name)
+        state = load_deepspeed_state(engine, resume)
         progress = Progress(state["step"], state["tokens"], state.get("metrics"))
         torch.set_rng_state(state["rng"])
         log.info(f"resuming from {resume} (step {progress.step} of {total})")
     elif t.warm_start:
         warm = Path(t.warm_start).expanduser()
-        engine.load_checkpoint(str(warm.parent), tag=warm.name, load_module_only=True)
+        problem = checkpoint_problem(warm) if (warm / TRAINER_STATE).is_file() else None
+        if problem:
+            raise SpecdrafterError(f"recipe key 'train.warm_start': checkpoint {warm} is damaged ({problem})")
+        load_deepspeed_state(engine, warm, "recipe key 'train.warm_start': ", module_only=True)
         log.info(f"warm start: drafter weights from {warm}")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -354,8 +391,8 @@ def save_checkpoint(engine, drafter, cfg: DictConfig, root: Path, progress: Prog
             drafter.save(engine.module, folder / "drafter", tokenizer)
     if rank == 0:
         atomic_write_text(folder / "recipe.yaml", OmegaConf.to_yaml(cfg))
-        atomic_write_json(folder / "trainer_state.json", {"step": progress.step, "tokens": progress.tokens,
-                                                          "drafter": drafter.kind, "metrics": progress.last_metrics})
+        write_checkpoint_state(folder, {"step": progress.step, "tokens": progress.tokens, "drafter": drafter.kind,
+                                        "metrics": progress.last_metrics})
         for old in complete_checkpoints(root)[:-cfg.train.keep_checkpoints]:
             shutil.rmtree(old)
     dist.barrier()

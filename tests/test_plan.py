@@ -1,0 +1,161 @@
+"""The planner (train/plan.py, launch/plan.py): cluster recipes planned on the meta device in seconds, one line per
+failing sanity check, and the launchers' check silent on CPU."""
+
+import importlib.util
+import json
+
+import pytest
+
+from data.io import SpecdrafterError
+from data.recipe import load_recipe
+from tests.conftest import REPO
+from train.plan import GIB, Setup, make_plan, model_states, meta_counts, preflight, target_config
+
+LLAMA8B = REPO / "recipes" / "llama8b.yaml"
+EIGHT = Setup(world=8, gpus_per_node=8)
+
+
+def plan_of(recipe=LLAMA8B, *overrides, setup=EIGHT):
+    return make_plan(load_recipe(recipe, list(overrides)), str(recipe), setup)
+
+
+def failures(plan):
+    return plan.problems()
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return plan_of()
+
+
+def test_llama8b_plan_counts_and_fits(llama8b):
+    c = llama8b.counts
+    assert 8.0e9 < c.target < 8.1e9  # Llama-3.1-8B from recipes/targets, no weights
+    assert 4.0e8 < c.trainable < 4.5e8 and c.frozen == 0  # the EAGLE-3 head with a 32k draft vocabulary
+    assert llama8b.terms["target weights"] == 2 * c.target
+    assert set(llama8b.terms) >= {"drafter weights", "gradients", "optimizer state", "activations", "teacher logits"}
+    assert llama8b.fits and not failures(llama8b)
+    assert llama8b.data["cache_per_million"] == 4 * 4096 * 2 * 10**6  # layers 2, 16, 29, 32 in bf16
+
+
+def test_plan_text_has_every_section(llama8b):
+    from train.plan import format_plan
+
+    text = format_plan(llama8b, load_recipe(LLAMA8B))
+    for needle in ("per rank", "total", "teacher logits", "data job: recipes/llama8b-data.yaml",
+                   "per 1M tokens", "per node (8 GPU(s), 1 node(s))", "checks"):
+        assert needle in text
+
+
+def test_aux_layer_out_of_range_is_one_line():
+    problems = failures(plan_of(LLAMA8B, "drafter.eagle.aux_layer_ids=[2,16,40]"))
+    assert problems and "'drafter.eagle.aux_layer_ids'" in problems[0] and "40" in problems[0]
+    assert "\n" not in problems[0]
+
+
+def test_draft_vocab_beyond_vocab():
+    problems = failures(plan_of(LLAMA8B, "drafter.eagle.draft_vocab_size=200000"))
+    assert "'drafter.eagle.draft_vocab_size' (200000) exceeds" in problems[0]
+
+
+def test_ttt_steps_beyond_positions():
+    problems = failures(plan_of(LLAMA8B, "train.max_length=131070", "train.gpu_memory_gb=100000"))
+    assert "'drafter.eagle.ttt_steps' (7) reach position 131076" in problems[0]
+
+
+def test_world_size_against_batch(tmp_path):
+    (tmp_path / "stats.json").write_text(json.dumps({"conversations": 300, "tokens": 300_000, "shards": 1}))
+    ok = plan_of(LLAMA8B, f"train.data_dir={tmp_path}")
+    assert not failures(ok) and ok.data["measured"]
+    problems = failures(plan_of(LLAMA8B, f"train.data_dir={tmp_path}", setup=Setup(world=64, gpus_per_node=8)))
+    assert problems[0].startswith("recipe keys 'train.micro_batch_size' / 'train.grad_accum': 44 training")
+
+
+def test_memory_that_does_not_fit_names_the_term_and_key():
+    plan = plan_of(LLAMA8B, "train.gpu_memory_gb=20")
+    assert not plan.fits
+    line = failures(plan)[0]
+    assert line.startswith("does not fit:") and "biggest term activations" in line and "train.micro_batch_size" in line
+
+
+def test_offline_cache_missing_layers(tmp_path):
+    (tmp_path / "stats.json").write_text(json.dumps({"conversations": 900, "tokens": 10**6, "shards": 1,
+                                                     "hidden_state_layers": [2, 16, 32]}))
+    problems = failures(plan_of(LLAMA8B, f"train.data_dir={tmp_path}", "train.features=offline"))
+    assert "offline needs layers [2, 16, 29, 32]" in problems[0]
+
+
+def test_zero_partitions_optimizer_state():
+    cfg = load_recipe(LLAMA8B)
+    counts = meta_counts(cfg, target_config(cfg.target.model))
+    one, eight = (model_states(cfg, counts, Setup(world=n, gpus_per_node=n)) for n in (1, 8))
+    assert eight.optimizer * 8 == pytest.approx(one.optimizer, rel=1e-6)
+    assert eight.grads_kept * 8 == pytest.approx(one.grads_kept, rel=1e-6)
+
+
+def test_draft_model_from_shipped_config_and_medusa():
+    draft = plan_of(REPO / "recipes" / "llama8b-draft.yaml")
+    assert draft.counts.frozen > 1e9 and draft.counts.trainable < 1e8  # Llama-3.2-1B base + LoRA r=64
+    medusa = plan_of(REPO / "recipes" / "llama8b-medusa.yaml")
+    assert medusa.counts.trainable > 2.5e9  # 5 heads × (d² + d·V)
+    assert medusa.terms["activations"] > 10 * GIB  # [rows, 128k vocabulary] per head
+
+
+def test_per_node_numbers(llama8b):
+    from train.plan import format_plan
+
+    two = plan_of(setup=Setup(world=16, gpus_per_node=8))
+    assert two.setup.nodes == 2
+    assert "2 node(s) × 8 GPU(s) = world 16" in format_plan(two, load_recipe(LLAMA8B))
+    assert two.terms["optimizer state"] < llama8b.terms["optimizer state"]
+
+
+def test_cli_prints_plan_and_fails_in_one_line(capsys):
+    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "launch" / "plan.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.take_flags(["r.yaml", "--nodes", "2", "--gpus-per-node=4", "a=b"]) == (2, 4, ["r.yaml", "a=b"])
+    cli.main(load_recipe(LLAMA8B), "recipes/llama8b.yaml", 2, 8)
+    assert "world 16" in capsys.readouterr().out
+    with pytest.raises(SpecdrafterError, match="^does not fit"):
+        cli.main(load_recipe(LLAMA8B, ["train.gpu_memory_gb=10"]), "recipes/llama8b.yaml", 1, 8)
+
+
+def test_preflight_is_silent_on_cpu(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert preflight(load_recipe(LLAMA8B, ["train.gpu_memory_gb=1"])) is None
+    assert capsys.readouterr().out == ""
+
+
+def test_unknown_hub_target_is_one_line(monkeypatch):
+    def offline(name, *args, **kwargs):
+        raise OSError(f"{name} is not a local folder and the hub is unreachable")
+
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", offline)
+    with pytest.raises(SpecdrafterError, match="no config for model 'nobody/Nothing-1B'.*recipes/targets/Nothing-1B.json"):
+        plan_of(LLAMA8B, "target.model=nobody/Nothing-1B")
+
+
+def test_preflight_on_cuda_prints_one_line_or_refuses(capsys, monkeypatch):
+    props = type("Props", (), {"total_memory": 80 * GIB})
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.set_device", lambda index: None)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: props)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    plan = preflight(load_recipe(LLAMA8B))
+    assert plan.setup.world == 8 and plan.budget_source == "this GPU"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("plan: ") and "of 80 GiB per GPU" in out[0]
+    with pytest.raises(SpecdrafterError, match="^does not fit.*train.gpu_memory_gb"):
+        preflight(load_recipe(LLAMA8B, ["train.gpu_memory_gb=30"]))
+    with pytest.raises(SpecdrafterError, match="aux_layer_ids"):
+        preflight(load_recipe(LLAMA8B, ["drafter.eagle.aux_layer_ids=[2,16,33]"]))
+
+
+def test_launchers_check_before_training():
+    for name in ("train_eagle.py", "train_medusa.py", "train_draft.py"):
+        text = (REPO / "launch" / name).read_text()
+        assert 0 < text.index("preflight(cfg)") < text.index("train(cfg)")
