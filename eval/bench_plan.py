@@ -82,9 +82,8 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     from data.assets import load_target
     from data.recipe import load_recipe
     from train.batches import Batch
-    from train.drafters import build_drafter, needed_layers, run_target
-    from train.loop import (autocast, deepspeed_config, lr_factor, param_dtype, param_groups, prediction_loss,
-                            setup_distributed)
+    from train.drafters import build_drafter, needed_layers
+    from train.loop import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
 
     import deepspeed
 
@@ -129,13 +128,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     for step in range(steps):  # train/loop.py's inner loop, its calls and variable lifetimes
         for micro in range(t.grad_accum):
             batch = make_batch().to(device)
-            with autocast(t, device):
-                target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
-                predictions = drafter.predictions(engine.module, batch, target_out)
-            loss = 0.0
-            for p in predictions:
-                out_p = prediction_loss(p, t)
-                loss = loss + p.weight * out_p.total + (p.feature_loss if p.feature_loss is not None else 0.0)
+            loss, _ = micro_batch_loss(drafter, engine, target, batch, layers, t, device)
             engine.backward(loss)
             engine.step()
     if cuda:

@@ -47,8 +47,9 @@ from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, com
                      temp_dir_beside)
 from data.io import check_model_folder, json_file_problem, read_checkpoint_state
 from data.recipe import load_saved_recipe
-from inference.eagle import EAGLE1_ARCH, check_aux_order, load_eagle3
+from inference.eagle import check_aux_order, load_eagle3
 from inference.medusa import load_medusa
+from inference.run import drafter_kind_of
 
 FORMATS = {"vllm": "eagle3", "sglang": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa", "medusa": "medusa",
            "hf-draft": "draft_model"}  # --format → the drafter kind it exports
@@ -125,16 +126,11 @@ def drafter_kind(folder: Path) -> str:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as e:
         raise SpecdrafterError(f"{str(folder / 'config.json')!r} is not valid JSON ({e})") from None
-    architectures = config.get("architectures") or []
-    if any("Eagle3" in a for a in architectures):
-        return "eagle3"
-    if EAGLE1_ARCH in architectures:
-        return "eagle1"
-    if config.get("model_type") == "medusa" or "MedusaModel" in architectures:
-        return "medusa"
-    if any(a.endswith("ForCausalLM") for a in architectures):
-        return "draft_model"
-    raise SpecdrafterError(f"{str(folder)!r} holds no drafter specdrafter can export (architectures: {architectures})")
+    kind = drafter_kind_of(config)
+    if kind is None:
+        raise SpecdrafterError(f"{str(folder)!r} holds no drafter specdrafter can export "
+                               f"(architectures: {config.get('architectures') or []})")
+    return kind
 
 
 @dataclass

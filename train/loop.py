@@ -253,14 +253,9 @@ def train(cfg: DictConfig) -> Dict[str, float]:
             order = data.epoch_order(epoch, t.micro_batch_size * world if t.group_by_length else 1)
             start = (i * world + rank) * t.micro_batch_size
             batch = data.batch(order[start:start + t.micro_batch_size]).to(device)
-            with autocast(t, device):
-                target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
-                predictions = drafter.predictions(engine.module, batch, target_out)
-            loss = 0.0
-            for p in predictions:
-                out_p = prediction_loss(p, t)
-                loss = loss + p.weight * out_p.total + (p.feature_loss if p.feature_loss is not None else 0.0)
-                parts[f"loss/{p.name}"] = parts.get(f"loss/{p.name}", 0.0) + float(out_p.total.detach()) / t.grad_accum
+            loss, totals = micro_batch_loss(drafter, engine, target, batch, layers, t, device)
+            for name, value in totals.items():
+                parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + float(value.detach()) / t.grad_accum
             if not _all_finite(loss, device):
                 raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
                                        f"checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
@@ -327,6 +322,19 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
         tokens, passes = tokens + len(r.tokens), passes + len(r.cycles)
         accepted, drafted = accepted + sum(x.accepted for x in r.cycles), drafted + sum(x.drafted for x in r.cycles)
     return {"decode/tau": tokens / max(passes, 1), "decode/alpha": accepted / max(drafted, 1)}
+
+
+def micro_batch_loss(drafter, engine, target, batch, layers, t: DictConfig, device):
+    """One micro-batch's training loss: the target's rows, the drafter's predictions, Σ weight · objective (+ the
+    EAGLE-1 feature term). Returns (loss, {prediction name: its objective})."""
+    with autocast(t, device):
+        target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
+        predictions = drafter.predictions(engine.module, batch, target_out)
+    loss, totals = 0.0, {}
+    for p in predictions:
+        totals[p.name] = prediction_loss(p, t).total
+        loss = loss + p.weight * totals[p.name] + (p.feature_loss if p.feature_loss is not None else 0.0)
+    return loss, totals
 
 
 def param_dtype(engine) -> torch.dtype:
