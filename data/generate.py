@@ -420,9 +420,16 @@ def shard_problem(folder: Path, expected_ids: List[str], settings: dict) -> Opti
         diff = next(k for k in settings if meta["settings"].get(k) != settings[k])
         raise SpecdrafterError(f"{folder} was generated with {diff}={meta['settings'].get(diff)!r}, the recipe now says "
                                f"{settings[diff]!r}; use a new output_dir or delete the old shards")
-    if n != len(expected_ids) or meta["ids"] != expected_ids:
+    if meta.get("prompt_ids", expected_ids) != expected_ids or not is_subsequence(meta["ids"], expected_ids) \
+            or n != len(meta["ids"]):
         return "holds different prompts than this recipe selects"
     return None
+
+
+def is_subsequence(kept: List[str], selected: List[str]) -> bool:
+    """A shard keeps its prompts in order and drops the conversations that got no assistant turn."""
+    rest = iter(selected)
+    return all(any(k == s for s in rest) for k in kept)
 
 
 def move_aside(path: Path, output_dir: Path, reason: str) -> None:
@@ -433,12 +440,12 @@ def move_aside(path: Path, output_dir: Path, reason: str) -> None:
     log.warning(f"{path} is not usable ({reason}); moved aside to {dest}, regenerating it")
 
 
-def write_shard(records: List[dict], folder: Path, settings: dict) -> None:
+def write_shard(records: List[dict], prompt_ids: List[str], folder: Path, settings: dict) -> None:
     tmp = temp_dir_beside(folder)
     datasets.Dataset.from_list(records).save_to_disk(str(tmp))
     files = file_checksums(tmp)
     atomic_write_json(tmp / SHARD_META, {"num_rows": len(records), "ids": [r["id"] for r in records],
-                                         "settings": settings, "files": files})
+                                         "prompt_ids": prompt_ids, "settings": settings, "files": files})
     publish_dir(tmp, folder)
 
 
@@ -557,7 +564,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
         if not records:
             raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check data.responses "
                                    f"and the prompt file's assistant turns")
-        write_shard(records, out / "shards" / shard_name(i), settings)
+        write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
     progress.close()
     gen_seconds = time.perf_counter() - start
 

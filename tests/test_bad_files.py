@@ -200,8 +200,8 @@ def test_damaged_datasets_folders_are_one_line(tmp_path):
 def test_a_damaged_shard_of_the_training_data_is_named(tmp_path, how):
     out = tmp_path / "data"
     rows = [{"id": f"c{i}", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]} for i in range(4)]
-    write_shard(rows[:2], out / "shards" / "shard-00000", {})
-    write_shard(rows[2:], out / "shards" / "shard-00001", {})
+    write_shard(rows[:2], [r["id"] for r in rows[:2]], out / "shards" / "shard-00000", {})
+    write_shard(rows[2:], [r["id"] for r in rows[2:]], out / "shards" / "shard-00001", {})
     assert load_generated(out).num_rows == 4
     arrow = next((out / "shards" / "shard-00001").glob("*.arrow"))
     damage(arrow, how)

@@ -138,6 +138,10 @@ def test_teacher_forced_rows_are_the_datasets_own_turns(tmp_path, tiny_target, s
         assert [smollm2_tokenizer.decode(s) for s in assistant_spans(row)] == [a + "<|im_end|>" for a in answers]
         full = chat_ids(smollm2_tokenizer, row["messages"], False)
         assert full[:len(row["input_ids"])] == row["input_ids"] and row["input_ids"][-1] == 2
+    # a rerun keeps the shards whose skipped conversations left them short (regression: they were regenerated forever)
+    again = generate_dataset(recipe(out, tiny_target, prompts, "data.responses=dataset", "data.max_turns=2",
+                                    "data.exclude=[]"))
+    assert again["this_run"]["generated_conversations"] == 0 and not (out / "corrupt").exists()
 
 
 def test_mix_draws_a_seeded_share_of_target_rows(tmp_path, tiny_target):
