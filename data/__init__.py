@@ -1,1 +1,1 @@
-"""prompts → target-generated conversations → tokenised + loss masks → target features."""
+"""Prompts → target-generated conversations → tokenised + loss masks → cached target features (the data job); offline assets."""

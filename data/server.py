@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from http.client import HTTPException
 from typing import Dict, List, Optional
 
-from data.io import SpecdrafterError
-from data.recipe import server_url_problem
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import server_url_problem
 
 log = logging.getLogger("specdrafter")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from inference.autotune import pass_cost
-from inference.generate import CycleStats
+from specdrafter.inference.autotune import pass_cost
+from specdrafter.inference.decode import CycleStats
 
 
 def per_position_acceptance(cycles: List[CycleStats]) -> List[Optional[float]]:

@@ -3,7 +3,7 @@ model, and our loops with every drafter given — draft model (chain), EAGLE-3 (
 whole and auto-sized, ASD at T = 0), Medusa (static tree: exact and typical acceptance) — interleaved prompt by
 prompt on a fixed sample of MT-Bench, GSM8K and HumanEval first turns, repeated, at each temperature.
 
-    python -m eval.bench_decode recipes/smollm2-135m-generate.yaml --draft-model runs/smollm2-135m/draft-tv/drafter \\
+    python -m specdrafter.eval.bench_decode recipes/smollm2-135m-generate.yaml --draft-model runs/smollm2-135m/draft-tv/drafter \\
         --eagle3 runs/smollm2-135m/eagle3/drafter --medusa runs/smollm2-135m/medusa/drafter \\
         [--sets mtbench gsm8k humaneval] [--prompts 2] [--max-new-tokens 48] [--repeats 3] [--temperatures 0 1] [--out DIR]
         [--arms eagle3_chain eagle3_asd ...]
@@ -28,15 +28,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from data.assets import load_prompt_set
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from data.recipe import load_recipe
-from eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup, tree_predicted_speedup
-from inference.autotune import TreeSizeTuner, step_costs
-from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
-from inference.medusa import typical_generate
-from inference.run import block_length, build_drafter, build_proposer, load_serving_target
-from inference.sampling import SamplingParams
+from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
+from specdrafter.core.recipe import load_recipe
+from specdrafter.data.assets import load_prompt_set
+from specdrafter.eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup, tree_predicted_speedup
+from specdrafter.inference.autotune import TreeSizeTuner, step_costs
+from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
+from specdrafter.inference.medusa import typical_generate
+from specdrafter.inference.run import block_length, build_proposer, load_draft_model, load_serving_target
+from specdrafter.inference.sampling import SamplingParams
 
 DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
 DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # verified whole (eagle3_tree)
@@ -116,7 +116,7 @@ def build_arms(cfg, args, target, eos) -> List[Arm]:
     if given.get("draft_model") or given.get("self_draft"):
         kind = "draft_model" if given.get("draft_model") else "self_draft"
         c = variant(kind, given.get("draft_model"))
-        draft = build_drafter(c, target)
+        draft = load_draft_model(c, target)
         arms += [Arm("hf_assisted", hf(draft), f"k={k}"), Arm(f"{kind}_chain", chain(build_proposer(c, target)), f"k={k}", k)]
         if inf.tree:  # the recipe's static tree for the draft model too
             arms.append(Arm(f"{kind}_tree", tree(build_proposer(variant(kind, given.get("draft_model"), tree=inf.tree), target)),
@@ -225,7 +225,8 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
 
 
 def markdown(rows: List[dict], header: str) -> str:
-    lines = [header, "", "| T | arm | shape | tok/s | speedup | τ | α | c | predicted | measured/predicted | verifier/token ÷ target step |",
+    lines = [header, "", "| T | arm | shape | tok/s | speedup | τ | α | c | predicted | measured/predicted | verifier/token ÷ "
+                         "target step |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = r["shape"] + (f" ({r['k_used']})" if "auto" in r["shape"] and r.get("k_used") else "")

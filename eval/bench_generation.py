@@ -1,10 +1,10 @@
 """Benchmark: how fast the data job turns prompts into target tokens, against the teacher-forced ceiling.
 
-    python -m eval.bench_generation recipes/smollm2-135m-data.yaml [--prompts 32] [--max-new-tokens 128]
+    python -m specdrafter.eval.bench_generation recipes/smollm2-135m-data.yaml [--prompts 32] [--max-new-tokens 128]
 
 Three arms on the same chat-templated ShareGPT prompts, in one process, interleaved (arm order rotates every
 repeat), median of the repeats:
-  ours        the data job's in-process engine (`data.generate.sample_responses`: length-bucketed batches,
+  ours        the data job's in-process engine (`specdrafter.data.regenerate.sample_responses`: length-bucketed batches,
               finished rows leave the batch, top-p from a top-64 cut) at the recipe's temperature / top-p
   hf_generate transformers' `model.generate` on the same batches (what the data job used before)
   forward     the teacher-forced forward of the backbone over prompt + response sequences of the same lengths
@@ -22,10 +22,10 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from data.assets import load_prompt_set, load_target
-from data.generate import chat_ids, eos_token_ids, generate_responses
-from data.io import SpecdrafterError
-from data.recipe import load_recipe
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import load_recipe
+from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.data.regenerate import chat_ids, eos_token_ids, generate_responses
 
 
 def hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, batch_size):

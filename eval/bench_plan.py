@@ -1,6 +1,6 @@
 """Benchmark: the planner (train/plan.py) against measured peak memory per rank, for the SmolLM2 recipes.
 
-    python -m eval.bench_plan [--runs eagle3:0:1 eagle3:2:2 ...] [--steps 3] [--out runs/bench/bench_plan.json]
+    python -m specdrafter.eval.bench_plan [--runs eagle3:0:1 eagle3:2:2 ...] [--steps 3] [--out runs/bench/bench_plan.json]
 
 Each run is RECIPE:ZERO_STAGE:RANKS. Its ranks are fresh processes joined like the `deepspeed` launcher joins them
 (gloo on CPU, NCCL on CUDA); each builds the target, the drafter and the DeepSpeed engine as train/loop.py does and
@@ -79,13 +79,13 @@ def rss_kib(field: str = "VmRSS") -> int:
 
 def worker(recipe: str, overrides, steps: int) -> dict:
     """One rank: set up as train/loop.py does, then `steps` loop-faithful optimizer steps; peak memory."""
-    from data.assets import load_target
-    from data.recipe import load_recipe
-    from train.batches import Batch
-    from train.drafters import build_drafter, needed_layers
-    from train.loop import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
-
     import deepspeed
+
+    from specdrafter.core.recipe import load_recipe
+    from specdrafter.data.assets import load_target
+    from specdrafter.train.batches import Batch
+    from specdrafter.train.drafters import build_drafter, needed_layers
+    from specdrafter.train.loop import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
 
     cfg = load_recipe(recipe, overrides)
     t = cfg.train
@@ -156,7 +156,7 @@ def launch(name: str, zero: int, ranks: int, steps: int, extra) -> list:
                "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
         if not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
-        cmd = [sys.executable, "-m", "eval.bench_plan", "--worker", RECIPES[name], "--steps", str(steps), *overrides]
+        cmd = [sys.executable, "-m", "specdrafter.eval.bench_plan", "--worker", RECIPES[name], "--steps", str(steps), *overrides]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -170,8 +170,8 @@ def launch(name: str, zero: int, ranks: int, steps: int, extra) -> list:
 
 def planned(name: str, zero: int, ranks: int, extra, resident: bool = False) -> int:
     """The plan of a run on this machine; `resident`: only the pages a CPU process touches (to compare with RSS)."""
-    from data.recipe import load_recipe
-    from train.plan import Setup, make_plan
+    from specdrafter.core.recipe import load_recipe
+    from specdrafter.train.plan import Setup, make_plan
 
     cfg = load_recipe(RECIPES[name], [*OVERRIDES[name], f"train.zero_stage={zero}", *extra])
     device = "cuda" if torch.cuda.is_available() else "cpu"

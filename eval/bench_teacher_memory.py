@@ -2,7 +2,7 @@
 7 TTT steps — recipes/llama8b.yaml), with the full-vocabulary teacher rows as before and with the draft-vocabulary
 teacher (train.drafters.teacher_rows: chunked normaliser, only the draft rows kept).
 
-    python -m eval.bench_teacher_memory [--tokens 1024] [--hidden 512]
+    python -m specdrafter.eval.bench_teacher_memory [--tokens 1024] [--hidden 512]
 
 Each arm runs in a fresh process on a random 2-layer target with the real vocabulary and `--hidden` width (the
 teacher's memory depends on the vocabulary and the number of rows, not on the width) and reports the rise of the
@@ -24,10 +24,10 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from data.recipe import load_recipe
-    from train.batches import Batch
-    from train.drafters import build_drafter, needed_layers, run_target
-    from train.loop import prediction_loss
+    from specdrafter.core.recipe import load_recipe
+    from specdrafter.train.batches import Batch
+    from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+    from specdrafter.train.loop import prediction_loss
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
@@ -63,7 +63,7 @@ def main(argv=None):
         return
     arms = {}
     for arm in ("full_vocab", "draft_vocab"):
-        done = subprocess.run([sys.executable, "-m", "eval.bench_teacher_memory", "--arm", arm, "--tokens",
+        done = subprocess.run([sys.executable, "-m", "specdrafter.eval.bench_teacher_memory", "--arm", arm, "--tokens",
                                str(args.tokens), "--hidden", str(args.hidden)], capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"error: the {arm} arm failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")

@@ -4,14 +4,14 @@ of the target's own forward pass over the same batch — interleaved, medians of
 `offline_step_baseline` arm is the step as it was before the draft-vocabulary teacher (full-vocabulary fp32
 teacher rows, no autocast, shuffled batches), on the same conversations: `offline_speedup_over_baseline`.
 
-    python -m eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
+    python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
 
 With `--ranks 1 2` it instead runs the real launcher, `deepspeed --num_accelerators N launch/train_<kind>.py`
 (DS_ACCELERATOR=cpu here; the machine's cores split evenly between the ranks), for `--steps` optimizer steps at
 each N, and reports the training tokens/s of the last step's record (evaluation and checkpointing come after it),
 scaling over 1 rank, and the wall time of each launch:
 
-    python -m eval.bench_train recipes/smollm2-135m-eagle3.yaml --ranks 1 2 --steps 12 [--out runs/bench-train]
+    python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml --ranks 1 2 --steps 12 [--out runs/bench-train]
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from data.assets import load_target
-from data.io import SpecdrafterError, atomic_write_json
-from data.recipe import load_recipe
-from train.batches import TrainingData
-from train.drafters import build_drafter, needed_layers, run_target
-from train.loop import prediction_loss
+from specdrafter.core.io import SpecdrafterError, atomic_write_json
+from specdrafter.core.recipe import load_recipe
+from specdrafter.data.assets import load_target
+from specdrafter.train.batches import TrainingData
+from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+from specdrafter.train.loop import prediction_loss
 
 
 def main(argv=None):

@@ -46,17 +46,33 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.assets import load_prompt_set, load_target
-from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, check_model_folder, complete_checkpoints,
-                     first_line, json_digest, move_aside, read_checkpoint_state)
-from eval.report import write_report
-from eval.acceptance import (alpha_per_token, best_block_length, modal_block_length, per_position_acceptance,
-                             position_counts, predicted_speedup, tree_predicted_speedup)
-from inference.autotune import BlockLengthTuner, TreeSizeTuner, step_costs
-from inference.generate import ASDSettings, speculative_generate, tree_speculative_generate
-from inference.medusa import typical_generate
-from inference.run import build_proposer, serving_model
-from inference.sampling import SamplingParams
+from specdrafter.core.io import (
+    SpecdrafterError,
+    atomic_write_json,
+    atomic_write_text,
+    check_model_folder,
+    complete_checkpoints,
+    first_line,
+    json_digest,
+    move_aside,
+    read_checkpoint_state,
+)
+from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.eval.acceptance import (
+    alpha_per_token,
+    best_block_length,
+    modal_block_length,
+    per_position_acceptance,
+    position_counts,
+    predicted_speedup,
+    tree_predicted_speedup,
+)
+from specdrafter.eval.report import write_report
+from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner, step_costs
+from specdrafter.inference.decode import ASDSettings, speculative_generate, tree_speculative_generate
+from specdrafter.inference.medusa import typical_generate
+from specdrafter.inference.run import build_proposer, serving_model
+from specdrafter.inference.sampling import SamplingParams
 
 log = logging.getLogger("specdrafter")
 
@@ -373,7 +389,8 @@ def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Di
         rows.append({"id": i, "tokens": r.tokens, "text": tokenizer.decode(r.tokens, skip_special_tokens=True)})
     tokens = sum(len(r["tokens"]) for r in rows)
     alpha = alpha_per_token(cycles)
-    c = sum(x.draft_s for x in cycles) / max(sum(x.drafted for x in cycles) if verifier in ("chain", "asd") else len(cycles), 1) / one
+    drafting_calls = sum(x.drafted for x in cycles) if verifier in ("chain", "asd") else len(cycles)
+    c = sum(x.draft_s for x in cycles) / max(drafting_calls, 1) / one
     cell = dict(p)
     cell.update(tree_size=_tree_size(cfg) if verifier in ("tree", "typical") else None, prompts=len(prompts),
                 tokens=tokens, target_passes=len(cycles), seconds=round(seconds, 3),

@@ -15,8 +15,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from data.io import atomic_write_text  # noqa: E402
-from eval.acceptance import predicted_speedup  # noqa: E402
+from specdrafter.core.io import atomic_write_text  # noqa: E402
+from specdrafter.eval.acceptance import predicted_speedup  # noqa: E402
 
 MIN_SAMPLES = 5  # fewest cycles behind a point of the acceptance-by-position plot
 
@@ -36,7 +36,8 @@ def write_report(data: dict, out: Path) -> Path:
     lines += [f"## Checkpoint {newest}", "", _table(main, [
         ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", _shape), ("α", "alpha"),
         ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("uncorrected", "speedup_uncorrected"),
-        ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"), ("α − (1 − D_TV)", "alpha_tv_gap"),
+        ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"),
+        ("α − (1 − D_TV)", "alpha_tv_gap"),
         ("c", "c"), ("best k", "best_k"), ("GSM8K acc.", "answer_accuracy")]), ""]
     lines += ["Per-position acceptance (P(draft j accepted | 1..j−1 accepted); in brackets the cycles that tried j):", "",
               _table(main, [("set", "set"), ("T", "temperature"), ("verifier", "verifier"),

@@ -29,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from data.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
+from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
@@ -140,11 +140,13 @@ def write_scaling_report(report: dict, out: Path) -> None:
             chain, tree = r["cells"].get(case + "|chain"), r["cells"].get(case + "|tree")
             dataset, temperature = case.split("|")
             lines.append(f"| {name} | {r['budget']:,} | {r['step']} | {dataset} | {temperature[2:]} | "
-                         f"{value(chain, 'alpha', '{:.3f}')} | {value(chain, 'tau', '{:.2f}')} | {value(tree, 'tau', '{:.2f}')} | "
+                         f"{value(chain, 'alpha', '{:.3f}')} | {value(chain, 'tau', '{:.2f}')} | {value(tree, 'tau', '{:.2f}')} "
+                         "| "
                          f"{value(chain, 'speedup', '{:.2f}×')} | {value(tree, 'speedup', '{:.2f}×')} |")
     missing = [b for b in st["budgets"] if f"{st['source']}-{b}" not in runs]
     if missing:
-        lines += ["", f"Not reached yet: {', '.join(f'{b:,}' for b in missing)} target tokens (rerun the same command to continue)."]
+        lines += ["", f"Not reached yet: {', '.join(f'{b:,}' for b in missing)} target tokens (rerun the same command to "
+                      "continue)."]
     atomic_write_text(out / "scaling.md", "\n".join(lines) + "\n")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)

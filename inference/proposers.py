@@ -1,34 +1,57 @@
-"""Proposers: what drafts tokens for the speculative loop. A proposer owns its own state (e.g. a KV cache);
-the loop tells it which tokens were committed so it can roll back.
-
-Interface (chain proposers):
-    proposer.reset()                                   start a new request
-    proposer.propose(committed, k, params, generator)  → Proposal of k tokens (+ their q rows)
-    proposer.rollback(num_committed)                   drop state beyond the committed prefix
-Tree proposers add `propose_tree(committed)` → (TreeShape, node tokens) and `max_tree_size`.
-Proposers that read target features (inference/eagle.py, inference/medusa.py) also list `feature_layers`; the
-loop then captures those layers in its target passes and hands the rows of newly committed positions to
-`proposer.observe({layer id: [n, d]})`.
+"""Proposers: what drafts tokens for the speculative loops. A proposer owns its own state (e.g. a KV cache);
+the loop tells it which tokens were committed so it can roll back. `Proposer` and `TreeProposer` below are the
+contract; the drafters are this module's draft-model proposers, inference/eagle.py's and inference/medusa.py's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from data.io import SpecdrafterError
-from inference.sampling import SamplingParams, draw
-from inference.tree import TreeShape, select_dynamic_tree, tree_attention, tree_positions
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.autotune import TreeSizeTuner
+from specdrafter.inference.sampling import SamplingParams, draw
+from specdrafter.inference.tree import TreeShape, grow_dynamic_tree, select_dynamic_tree, tree_attention, tree_positions
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [k] drafted token ids
     probs: Optional[torch.Tensor]  # [k, V] q rows the tokens were drawn from (None for greedy)
+
+
+class Proposer(Protocol):
+    """What the chain loop (inference/decode.py:speculative_generate) asks of a drafter."""
+
+    feature_layers: Sequence[int]  # target layer ids whose features `observe` wants (empty: it reads none)
+
+    def reset(self) -> None:
+        """Start a new request."""
+
+    def observe(self, features: Dict[int, torch.Tensor]) -> None:
+        """Target features {layer id: [n, d]} of the positions just committed (after prefill: the prompt's)."""
+
+    def propose(self, committed: List[int], k: int, params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> Proposal:
+        """k draft tokens after `committed` (+ the q rows they were drawn from at T > 0)."""
+
+    def rollback(self, num_committed: int) -> None:
+        """Drop every state beyond the committed prefix of `num_committed` tokens."""
+
+
+class TreeProposer(Proposer, Protocol):
+    """What the tree loop (inference/decode.py:tree_speculative_generate) asks of a drafter, besides a Proposer's."""
+
+    max_tree_size: int  # nodes of the largest tree it drafts, root included (the cache room the loop reserves)
+    tuner: Optional[TreeSizeTuner]  # sizes each dynamic tree (inference/autotune.py); None: verify all it drafts
+    node_probs: torch.Tensor  # [N+1] each node's draft probability in the last tree (read by the tuner)
+
+    def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
+        """The tree's shape and its node tokens [N+1] (node 0 = the newest committed token)."""
 
 
 class DraftModelProposer:
@@ -38,6 +61,8 @@ class DraftModelProposer:
     feeds the committed tokens it has not seen, then k - 1 of its own drafts (the k-th is never fed).
     """
 
+    feature_layers: Sequence[int] = ()  # a draft model reads tokens only
+
     def __init__(self, model: nn.Module):
         self.model = model.eval()
         self.cache = DynamicCache()
@@ -46,6 +71,9 @@ class DraftModelProposer:
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.cached = 0
+
+    def observe(self, features: Dict[int, torch.Tensor]) -> None:
+        pass
 
     @torch.no_grad()
     def propose(self, committed: List[int], k: int, params: SamplingParams,
@@ -103,6 +131,8 @@ class DraftModelTreeProposer(DraftModelProposer):
     the committed prefix, so the accepted path is re-fed at the next cycle like any committed token.
     """
 
+    tuner = None  # a static tree is verified whole
+
     def __init__(self, model: nn.Module, shape: TreeShape):
         super().__init__(model)
         self.shape = shape
@@ -156,38 +186,19 @@ class DynamicTreeProposer(DraftModelProposer):
     @torch.no_grad()
     def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
         feed = committed[self.cached:]
-        logits = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True,
-                            logits_to_keep=1).logits[0, -1:]  # [1, V]
+        root = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True,
+                          logits_to_keep=1).logits[0, -1:]  # [1, V]
         self.cached += len(feed)
-        past = self.cached
-        # candidate nodes: (score, depth, parent candidate or -1 for the root, token); fed = frontier nodes in the cache
-        nodes: List[Tuple[float, int, int, int]] = []
-        frontier, fed_ancestry = [-1], {-1: []}
-        fed_order: List[int] = []  # candidate ids in the order they were fed to the draft
+        past = self.cached  # a depth-d node sits at position past − 1 + d and sees the committed past
+
+        def feed_frontier(frontier, candidates, mask):
+            ids = torch.tensor([[candidates[c][3] for c in frontier]])  # [1, F]
+            depth = candidates[frontier[0]][1]
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True, attention_mask=tree_attention(mask, past),
+                              position_ids=torch.full_like(ids, past - 1 + depth)).logits[0].log_softmax(-1)  # [F, V]
+
         levels = self.tuner.draft_depth(self.depth) if self.tuner is not None else self.depth
-        for depth in range(1, levels + 1):
-            logp = logits.log_softmax(-1)  # [F, V] one row per frontier node
-            top = logp.topk(self.top_k, dim=-1)
-            children = []
-            for row, parent in enumerate(frontier):
-                base = nodes[parent][0] if parent >= 0 else 0.0
-                for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                    nodes.append((base + lp, depth, parent, token))
-                    children.append(len(nodes) - 1)
-            if depth == levels:
-                break
-            frontier = sorted(children, key=lambda c: -nodes[c][0])[: self.top_k]
-            # feed the new frontier: each node sees the committed past and its own fed ancestors
-            columns = fed_order + frontier
-            mask = torch.zeros(len(frontier), len(columns), dtype=torch.bool)
-            for row, c in enumerate(frontier):
-                fed_ancestry[c] = fed_ancestry[nodes[c][2]] + [c]
-                for a in fed_ancestry[c]:
-                    mask[row, columns.index(a)] = True
-            logits = self.model(input_ids=torch.tensor([[nodes[c][3] for c in frontier]]), cache=self.cache,
-                                use_cache=True, attention_mask=tree_attention(mask, past),
-                                position_ids=torch.tensor([[past - 1 + depth] * len(frontier)])).logits[0]  # [F, V]
-            fed_order += frontier
-        self.cache.crop(-len(fed_order))  # rollback: drop the tree nodes, keep the committed prefix
-        shape, keep, self.node_probs = select_dynamic_tree(nodes, self.total_tokens, self.tuner)
-        return shape, torch.tensor([committed[-1]] + [nodes[c][3] for c in keep])
+        candidates, fed = grow_dynamic_tree(root.log_softmax(-1), levels, self.top_k, feed_frontier)
+        self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the committed prefix
+        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tuner)
+        return shape, torch.tensor([committed[-1]] + [candidates[c][3] for c in keep])

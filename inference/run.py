@@ -7,23 +7,31 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
 from pathlib import Path
+from typing import Optional, Union
 
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
-from data.assets import load_target
-from data.io import SpecdrafterError, check_model_folder
-from inference.autotune import BlockLengthTuner, TreeSizeTuner
-from inference.generate import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
-from inference.eagle import EAGLE1_ARCH, EagleProposer, EagleTreeProposer, load_eagle1, load_eagle3
-from inference.medusa import MedusaProposer, MedusaTreeProposer, check_heads_fit, load_medusa, typical_generate
-from inference.proposers import (DraftModelProposer, DraftModelTreeProposer, DynamicTreeProposer, check_vocabularies,
-                                 self_draft)
-from inference.sampling import SamplingParams
-from inference.tree import tree_from_choices
+from specdrafter.core.io import SpecdrafterError, check_model_folder
+from specdrafter.data.assets import load_target
+from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner
+from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
+from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
+from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, typical_generate
+from specdrafter.inference.proposers import (
+    DraftModelProposer,
+    DraftModelTreeProposer,
+    DynamicTreeProposer,
+    check_vocabularies,
+    self_draft,
+)
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.inference.tree import tree_from_choices
+from specdrafter.models.eagle import load_eagle1, load_eagle3
+from specdrafter.models.kinds import KIND_NAMES, drafter_kind_of
+from specdrafter.models.medusa import check_heads_fit, load_medusa
 
 log = logging.getLogger("specdrafter")
 
@@ -64,7 +72,7 @@ def tree_size(dynamic_tree: DictConfig) -> Optional[TreeSizeTuner]:
     return TreeSizeTuner(dynamic_tree.total_tokens) if dynamic_tree.auto_size else None
 
 
-def build_drafter(cfg: DictConfig, target) -> torch.nn.Module:
+def load_draft_model(cfg: DictConfig, target) -> torch.nn.Module:
     """The draft *model* of a self_draft / draft_model recipe (also used as HF's `assistant_model`)."""
     if cfg.drafter.kind.value == "self_draft":
         return self_draft(target, cfg.drafter.num_layers)
@@ -86,25 +94,8 @@ def _drafter_path(cfg: DictConfig) -> str:
     return path
 
 
-KIND_NAMES = {"eagle3": "an EAGLE-3 head", "eagle1": "an EAGLE-1 head", "medusa": "Medusa heads",
-              "draft_model": "a draft model"}
-
-
-def drafter_kind_of(config: dict) -> Optional[str]:
-    """The drafter kind a config.json describes (None: not recognised)."""
-    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
-    archs = [a for a in archs if isinstance(a, str)]
-    if any("Eagle3" in a for a in archs):
-        return "eagle3"
-    if EAGLE1_ARCH in archs:
-        return "eagle1"
-    if config.get("model_type") == "medusa" or "MedusaModel" in archs:
-        return "medusa"
-    return "draft_model" if any(a.endswith("ForCausalLM") for a in archs) else None
-
-
 def check_drafter_folder(folder: Path, kind: str) -> None:
-    """A drafter folder a user points at: complete and intact (data.io.check_model_folder) and of the recipe's kind."""
+    """A drafter folder a user points at: complete and intact (core/io.py:check_model_folder) and of the recipe's kind."""
     check_model_folder(folder, "drafter folder")
     found = drafter_kind_of(json.loads((folder / "config.json").read_text()))
     if found and found != kind:
@@ -120,7 +111,8 @@ def build_proposer(cfg: DictConfig, target):
     if kind in ("eagle3", "eagle1"):
         head = (load_eagle3 if kind == "eagle3" else load_eagle1)(_drafter_path(cfg), target.dtype)
         if inf.tree:
-            raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use inference.dynamic_tree.total_tokens")
+            raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use "
+                                   "inference.dynamic_tree.total_tokens")
         if not dyn.total_tokens:
             return EagleProposer(head, target)
         return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
@@ -132,7 +124,7 @@ def build_proposer(cfg: DictConfig, target):
         if inf.tree:
             return MedusaTreeProposer(heads, target, tree_from_choices([list(c) for c in inf.tree], heads.num_heads))
         return MedusaProposer(heads, target)
-    draft = build_drafter(cfg, target)
+    draft = load_draft_model(cfg, target)
     if inf.tree:
         return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
     if dyn.total_tokens:

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ fills in node tokens each cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,44 @@ def tree_from_parents(parents: Sequence[int]) -> TreeShape:
     return TreeShape(tuple(parents), tuple(choices))
 
 
-def select_dynamic_tree(nodes: Sequence[Tuple[float, int, int, int]], total_tokens: int,
+Candidate = Tuple[float, int, int, int]  # (score = cumulative draft log-prob, depth, parent candidate or −1, token)
+
+
+def grow_dynamic_tree(root_logp: torch.Tensor, levels: int, top_k: int,
+                      feed: Callable[[List[int], List[Candidate], torch.Tensor], torch.Tensor]) -> Tuple[List[Candidate], int]:
+    """EAGLE-2's expansion (docs/algorithms.md §Dynamic trees), shared by every dynamic-tree proposer.
+
+    `root_logp` [1, V]: the draft's log-probs after the newest committed token. Each depth, every frontier node proposes
+    its top_k children (score = its own score + the child's log q); the top_k of those k² become the next frontier,
+    and `feed(frontier, candidates, mask)` runs them through the drafter in one call and returns their children's
+    log-probs [F, V]. `mask` [F, fed + F] says which tree slots each frontier node sees besides the committed past:
+    its fed ancestors and itself (slots in feeding order). Every proposed node is a candidate; returns the candidates
+    (for `select_dynamic_tree`) and how many nodes were fed (for the drafter's rollback)."""
+    candidates: List[Candidate] = []
+    frontier, ancestry, fed = [-1], {-1: []}, []
+    logp = root_logp
+    for depth in range(1, levels + 1):
+        top = logp.topk(top_k, dim=-1)
+        children = []
+        for row, parent in enumerate(frontier):
+            base = candidates[parent][0] if parent >= 0 else 0.0
+            for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                candidates.append((base + lp, depth, parent, token))
+                children.append(len(candidates) - 1)
+        if depth == levels:
+            break
+        frontier = sorted(children, key=lambda c: -candidates[c][0])[:top_k]
+        slot = {c: i for i, c in enumerate(fed + frontier)}  # tree slot of every fed node, in feeding order
+        mask = torch.zeros(len(frontier), len(slot), dtype=torch.bool)  # [F, fed + F]
+        for row, c in enumerate(frontier):
+            ancestry[c] = ancestry[candidates[c][2]] + [c]
+            mask[row, [slot[a] for a in ancestry[c]]] = True
+        logp = feed(frontier, candidates, mask)  # [F, V]
+        fed += frontier
+    return candidates, len(fed)
+
+
+def select_dynamic_tree(nodes: Sequence[Candidate], total_tokens: int,
                         tuner=None) -> Tuple[TreeShape, List[int], torch.Tensor]:
     """The tree to verify from EAGLE-2 candidates `nodes` = [(score, depth, parent candidate or −1, token)], score =
     cumulative draft log-prob: the `total_tokens` best by score — closed under ancestors since scores only fall

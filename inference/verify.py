@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from inference.sampling import sample
+from specdrafter.inference.sampling import sample
 
 
 @dataclass

@@ -8,8 +8,8 @@
 import logging
 import sys
 
-from data.recipe import cli
-from eval.job import run_eval
+from specdrafter.core.cli import cli
+from specdrafter.eval.job import run_eval
 
 
 def main(cfg):

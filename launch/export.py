@@ -10,8 +10,8 @@ a drafter folder. The Hub token comes from HF_TOKEN or `hf auth login`.
 import argparse
 import sys
 
-from data.io import SpecdrafterError
-from train.export import FORMATS, export, push_to_hub
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.export.formats import FORMATS, export, push_to_hub
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

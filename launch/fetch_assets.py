@@ -7,8 +7,8 @@ and the MT-Bench, HumanEval, GSM8K and ShareGPT prompt sets, under $SPECDRAFTER_
 import logging
 import sys
 
-from data.assets import ensure_all
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.assets import ensure_all
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")

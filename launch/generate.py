@@ -5,8 +5,8 @@
 
 import logging
 
-from data.recipe import cli
-from inference.run import decode
+from specdrafter.core.cli import cli
+from specdrafter.inference.run import decode
 
 
 def main(cfg):

@@ -5,8 +5,8 @@
 
 import logging
 
-from data.generate import generate_dataset
-from data.recipe import cli
+from specdrafter.core.cli import cli
+from specdrafter.data.regenerate import generate_dataset
 
 
 def main(cfg):

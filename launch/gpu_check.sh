@@ -110,9 +110,9 @@ step "train (deepspeed, NCCL, bf16)" 120 $DEEPSPEED --num_gpus 1 launch/train_ea
 step "evaluate" 75 $PY launch/eval_acceptance.py recipes/smollm2-135m-eagle3.yaml checkpoint=$EAGLE \
   output_dir=$EAGLE train.data_dir=$DATA "eval.sets=[mtbench]" eval.num_prompts=4 eval.max_new_tokens=32 \
   "eval.temperatures=[0,1]" "eval.k_sweep=[1,2,4]" eval.output_dir=$RUN/eval
-step "decode bench" 60 $PY -m eval.bench_decode recipes/smollm2-135m-generate.yaml --eagle3 $EAGLE/drafter \
+step "decode bench" 60 $PY -m specdrafter.eval.bench_decode recipes/smollm2-135m-generate.yaml --eagle3 $EAGLE/drafter \
   --sets mtbench --prompts 2 --max-new-tokens 32 --repeats 1 --temperatures 0 --out $RUN/bench
-step "memory: plan vs max_memory_allocated" 90 $PY -m eval.bench_plan --runs eagle3:0:1 eagle3:2:1 medusa:0:1 \
+step "memory: plan vs max_memory_allocated" 90 $PY -m specdrafter.eval.bench_plan --runs eagle3:0:1 eagle3:2:1 medusa:0:1 \
   draft:0:1 --steps 3 --out $REPORT/bench_plan.json
 
 # ------------------------------------------------------------------------------------------------- report

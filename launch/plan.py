@@ -8,9 +8,9 @@ lines say which key to change). The training launchers run the same check on CUD
 
 import sys
 
-from data.io import SpecdrafterError
-from data.recipe import load_recipe
-from train.plan import Setup, format_plan, make_plan
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import load_recipe
+from specdrafter.train.plan import Setup, format_plan, make_plan
 
 USAGE = "usage: plan.py RECIPE.yaml [key=value ...] [--nodes N] [--gpus-per-node G]"
 
@@ -43,7 +43,7 @@ if __name__ == "__main__":
     nodes, gpus, args = take_flags(sys.argv[1:])
     if not args or args[0].startswith("-") or "=" in args[0]:
         sys.exit(USAGE)
-    try:  # not data.recipe.cli: the plan is the output, without the resolved recipe before it
+    try:  # not core/recipe.py:cli: the plan is the output, without the resolved recipe before it
         main(load_recipe(args[0], args[1:]), args[0], nodes, gpus)
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")

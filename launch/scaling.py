@@ -9,8 +9,8 @@ Hours on a laptop CPU: run it in the background; rerunning the same command resu
 import logging
 import sys
 
-from data.recipe import cli
-from eval.scaling import run_scaling
+from specdrafter.core.cli import cli
+from specdrafter.eval.scaling import run_scaling
 
 
 def main(cfg):

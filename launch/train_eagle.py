@@ -6,18 +6,7 @@
 Rerun the same command after an interruption to resume from the last checkpoint.
 """
 
-from data.io import SpecdrafterError
-from data.recipe import cli
-from train.loop import train
-from train.plan import preflight
-
-
-def main(cfg):
-    if cfg.drafter.kind.value not in ("eagle3", "eagle1"):
-        raise SpecdrafterError(f"recipe key 'drafter.kind' is {cfg.drafter.kind.value}, but this script trains eagle3 or eagle1")
-    preflight(cfg)  # on CUDA: recipe sanity and the memory plan before anything loads (CPU: nothing)
-    train(cfg)
-
+from specdrafter.train.command import train_command
 
 if __name__ == "__main__":
-    cli(main)
+    train_command(("eagle3", "eagle1"))

@@ -3,6 +3,7 @@ setup; PyPI is reachable in CI) and a tiny random Llama that uses SmolLM2's real
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from data.assets import ensure_prompt_set, ensure_smollm2
+from specdrafter.data.assets import ensure_prompt_set, ensure_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":  # pytest -n N: N workers share the cores, one thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the launchers and DeepSpeed ranks tests start
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +47,7 @@ def assert_first_two_tokens_follow(target, prompt, counts, n: int, level: float 
 
 def small_data_recipe(out, target, prompts, *extra):
     """The data recipe shrunk for tests: 8 regenerated conversations of ≤ 12 new tokens, shards of 3, no hidden states."""
-    from data.recipe import load_recipe
+    from specdrafter.core.recipe import load_recipe
     return load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", [
         f"output_dir={out}", f"target.model={target}", "target.dtype=float32", f"data.prompts={prompts}",
         "data.responses=target",

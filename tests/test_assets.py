@@ -6,9 +6,17 @@ import time
 import pytest
 from transformers import AutoConfig
 
-from data.assets import (NORMALISERS, Wheel, WHEELS, ensure_prompt_set, ensure_smollm2, fetch_wheel,
-                         load_prompt_set, recover_json_array)
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.assets import (
+    NORMALISERS,
+    WHEELS,
+    Wheel,
+    ensure_prompt_set,
+    ensure_smollm2,
+    fetch_wheel,
+    load_prompt_set,
+    recover_json_array,
+)
 
 
 def test_recover_json_array_stops_at_a_truncated_tail():

@@ -6,14 +6,14 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import assert_first_two_tokens_follow, tiny_llama_config
 from scipy.stats import chisquare
 from transformers import LlamaForCausalLM
 
-from conftest import assert_first_two_tokens_follow, tiny_llama_config
-from inference.autotune import BlockLengthTuner, TreeSizeTuner, expected_tokens
-from inference.generate import speculative_generate, tree_speculative_generate
-from inference.proposers import DraftModelProposer, DynamicTreeProposer
-from inference.sampling import SamplingParams
+from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner, expected_tokens
+from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
+from specdrafter.inference.proposers import DraftModelProposer, DynamicTreeProposer
+from specdrafter.inference.sampling import SamplingParams
 
 
 def test_expected_tokens_is_one_plus_the_survival_sum():

@@ -13,16 +13,16 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from data.assets import load_prompt_set, load_target
-from data.generate import load_generated, write_shard
-from data.io import SpecdrafterError, check_model_folder, write_checkpoint_state
-from data.recipe import load_recipe
-from eval.job import Results, find_checkpoints
-from inference.eagle import Eagle3Head, eagle3_config, load_eagle3, save_eagle3
-from inference.medusa import MedusaHeads, load_medusa, medusa_config, save_medusa
-from inference.run import check_drafter_folder
-from train.batches import read_stats
-from train.export import find_source
+from specdrafter.core.io import SpecdrafterError, check_model_folder, write_checkpoint_state
+from specdrafter.core.recipe import load_recipe
+from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.data.regenerate import load_generated, write_shard
+from specdrafter.eval.job import Results, find_checkpoints
+from specdrafter.export.formats import find_source
+from specdrafter.inference.run import check_drafter_folder
+from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle1, load_eagle3, save_eagle3
+from specdrafter.models.medusa import MedusaHeads, load_medusa, medusa_config, save_medusa
+from specdrafter.train.batches import read_stats
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_missing_folder_a_file_and_the_wrong_kind_are_one_line(tmp_path, eagle_f
     config = json.loads((eagle1 / "config.json").read_text())
     (eagle1 / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle"]}))
     with pytest.raises(SpecdrafterError, match="do not fit an EAGLE-1 head"):
-        __import__("inference.eagle", fromlist=["load_eagle1"]).load_eagle1(eagle1)
+        load_eagle1(eagle1)
 
 
 @pytest.mark.parametrize("name", ["drafter/model.safetensors", "drafter/config.json"])
@@ -161,7 +161,7 @@ def test_a_damaged_target_folder_is_one_line(tmp_path, tiny_target):
 def test_a_damaged_draft_model_to_train_from_is_one_line(tmp_path, tiny_target):
     from transformers import AutoModelForCausalLM
 
-    from train.drafters import build_drafter
+    from specdrafter.train.drafters import build_drafter
     draft = tmp_path / "draft"
     shutil.copytree(tiny_target, draft)
     damage(draft / "model.safetensors", "zero")

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_data_recipe
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from conftest import small_data_recipe
-from data.generate import chat_ids, generate_dataset, generate_responses, load_generated, sample_tokens
-from data.recipe import load_recipe
-from inference.sampling import SamplingParams, sampling_probs
+from specdrafter.core.recipe import load_recipe
+from specdrafter.data.regenerate import chat_ids, generate_dataset, generate_responses, load_generated, sample_tokens
+from specdrafter.inference.sampling import SamplingParams, sampling_probs
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
@@ -162,7 +162,7 @@ def test_mix_draws_a_seeded_share_of_target_rows(tmp_path, tiny_target):
 
 
 def test_mix_without_a_share_is_one_line(tmp_path, tiny_target, prompt_file):
-    from data.io import SpecdrafterError
+    from specdrafter.core.io import SpecdrafterError
     with pytest.raises(SpecdrafterError, match="data.target_share"):
         recipe(tmp_path, tiny_target, prompt_file, "data.responses=mix")
 
@@ -171,9 +171,9 @@ def test_mix_without_a_share_is_one_line(tmp_path, tiny_target, prompt_file):
 def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smollm2_tokenizer, kind):
     """Multi-turn rows from both sources load into the trainer unchanged: every loss-masked token is predicted,
     offline features line up with the rows, and one optimizer step's loss is finite."""
-    from train.batches import TrainingData
-    from train.drafters import build_drafter, needed_layers, run_target
-    from train.loop import prediction_loss
+    from specdrafter.train.batches import TrainingData
+    from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+    from specdrafter.train.loop import prediction_loss
 
     prompts = write_jsonl(tmp_path / "chat.jsonl", chat_rows(10))
     data = tmp_path / "data"

@@ -7,11 +7,12 @@ import torch
 from conftest import tiny_llama_config
 from transformers import LlamaForCausalLM
 
-from data.features import capture_features
-from data.io import SpecdrafterError
-from inference.eagle import Eagle1Head, EagleProposer, EagleTreeProposer, eagle1_config, load_eagle1, save_eagle3
-from inference.generate import speculative_generate, tree_speculative_generate
-from inference.sampling import SamplingParams
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
+from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.models.eagle import Eagle1Head, eagle1_config, load_eagle1, save_eagle3
+from specdrafter.models.features import capture_features
 
 V = 96
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8]]

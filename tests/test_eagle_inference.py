@@ -8,19 +8,13 @@ from conftest import tiny_llama_config
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from data.features import capture_features
-from data.io import SpecdrafterError
-from inference.autotune import TreeSizeTuner
-from inference.eagle import (
-    Eagle3Head,
-    EagleProposer,
-    EagleTreeProposer,
-    eagle3_config,
-    load_eagle3,
-    save_eagle3,
-)
-from inference.generate import speculative_generate, tree_speculative_generate
-from inference.sampling import SamplingParams
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.autotune import TreeSizeTuner
+from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
+from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle3, save_eagle3
+from specdrafter.models.features import capture_features
 
 V, VD, AUX = 96, 40, [1, 2, 4]  # aux id 4 = the 4-layer target's last output before the final norm
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [50, 60]]

@@ -1,7 +1,7 @@
 """Acceptance statistics from the loop's per-cycle records, on handcrafted cycles."""
 
-from eval.acceptance import alpha_per_token, per_position_acceptance, position_counts
-from inference.generate import CycleStats
+from specdrafter.eval.acceptance import alpha_per_token, per_position_acceptance, position_counts
+from specdrafter.inference.decode import CycleStats
 
 
 def cycles(accepted, k=3):

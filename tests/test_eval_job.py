@@ -10,17 +10,17 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from conftest import tiny_llama_config
 from transformers import LlamaForCausalLM
 
-import eval.job
-from conftest import tiny_llama_config
-from data.assets import load_prompt_set
-from data.io import SpecdrafterError
-from data.recipe import RecipeError, load_recipe
-from eval.job import answer_accuracy, final_number, run_eval
-from inference.generate import speculative_generate
-from inference.proposers import DraftModelProposer
-from inference.sampling import SamplingParams
+import specdrafter.eval.job as eval_job
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.data.assets import load_prompt_set
+from specdrafter.eval.job import answer_accuracy, final_number, run_eval
+from specdrafter.inference.decode import speculative_generate
+from specdrafter.inference.proposers import DraftModelProposer
+from specdrafter.inference.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,21 +73,21 @@ def test_acceptance_matches_one_minus_total_variation_at_t1(tiny_target):
 def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, run_dir, monkeypatch):
     out = tmp_path / "eval"
     cfg = eval_recipe(tiny_target, run_dir, out)
-    real, calls = eval.job._run_cell, []
+    real, calls = eval_job._run_cell, []
 
     def crash_after_three(*args, **kwargs):
         if len(calls) == 3:
             raise KeyboardInterrupt  # killed mid-run
         calls.append(args[1]["id"])
         return real(*args, **kwargs)
-    monkeypatch.setattr(eval.job, "_run_cell", crash_after_three)
+    monkeypatch.setattr(eval_job, "_run_cell", crash_after_three)
     with pytest.raises(KeyboardInterrupt):
         run_eval(cfg)
     first = json.loads((out / "results.json").read_text())
     assert [c["id"] for c in first["cells"]] == calls  # every finished cell is on disk
 
     calls.clear()
-    monkeypatch.setattr(eval.job, "_run_cell", lambda *a, **k: (calls.append(a[1]["id"]), real(*a, **k))[1])
+    monkeypatch.setattr(eval_job, "_run_cell", lambda *a, **k: (calls.append(a[1]["id"]), real(*a, **k))[1])
     run_eval(cfg)
     data = json.loads((out / "results.json").read_text())
     ids = [c["id"] for c in data["cells"]]
@@ -151,7 +151,8 @@ def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_p
 def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
     out = tmp_path / "eval"
     run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[tree]",
-                         "eval.k_sweep=[]", "inference.tree=[[0],[1],[0,0]]", f"eval.checkpoint={run_dir}/checkpoints/step-000004"))
+                         "eval.k_sweep=[]", "inference.tree=[[0],[1],[0,0]]",
+                         f"eval.checkpoint={run_dir}/checkpoints/step-000004"))
     data = json.loads((out / "results.json").read_text())
     assert [c["verifier"] for c in data["cells"]] == ["tree", "tree"] and "4" in data["machine"]["v"]
     for c in data["cells"]:
@@ -180,7 +181,7 @@ def test_auto_sized_dynamic_tree_cells(tmp_path, tiny_target, run_dir):
 
 def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
     """A smoke run of the side-by-side benchmark (numbers on tiny models mean nothing; the columns must exist)."""
-    from eval import bench_decode
+    from specdrafter.eval import bench_decode
     bench_decode.main(["recipes/smollm2-135m-generate.yaml", f"target.model={tiny_target}", "inference.k=2",
                        "inference.tree=[[0],[1],[0,0]]", "--draft-model", str(run_dir / "checkpoints/step-000004/drafter"),
                        "--sets", "mtbench", "gsm8k", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2",
@@ -221,7 +222,8 @@ def test_prompt_sets_from_a_datasets_folder_and_chat_rows(tmp_path):
     records = load_prompt_set(str(folder))
     assert [r["turns"] for r in records] == [["Hi there, who are you?"], ["Name a prime number."]]
     sharegpt = tmp_path / "sg.jsonl"
-    sharegpt.write_text(json.dumps({"conversations": [{"from": "human", "value": "Tell a joke."}, {"from": "gpt", "value": "No."}]}) + "\n")
+    turns = [{"from": "human", "value": "Tell a joke."}, {"from": "gpt", "value": "No."}]
+    sharegpt.write_text(json.dumps({"conversations": turns}) + "\n")
     assert load_prompt_set(str(sharegpt))[0]["turns"] == ["Tell a joke."]
 
 

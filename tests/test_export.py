@@ -1,4 +1,4 @@
-"""Export (train/export.py, launch/export.py) on a tiny random Llama with SmolLM2's tokenizer: each format's config
+"""Export (export/formats.py, launch/export.py) on a tiny random Llama with SmolLM2's tokenizer: each format's config
 fields and tensor names exactly as docs/formats.md lists them, the round trip back to our inference module with
 identical draft logits and greedy decoding, SGLang's shifted aux-layer ids, the model card, no local paths or tokens
 in any exported file, and one-line refusals of bad input and failed pushes (with the local export left intact)."""
@@ -17,6 +17,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 import yaml
+from conftest import tiny_llama_config
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import OmegaConf
@@ -24,16 +25,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_llama_config
-from data.io import SpecdrafterError
-from data.recipe import load_recipe
-from inference.eagle import Eagle3Head, EagleProposer, full_vocab_maps, load_eagle3
-from inference.generate import speculative_generate
-from inference.medusa import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa
-from inference.proposers import DraftModelProposer
-from inference.sampling import SamplingParams
-from train.drafters import build_drafter
-from train.export import export, push_to_hub
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import load_recipe
+from specdrafter.export.formats import export, push_to_hub
+from specdrafter.inference.decode import speculative_generate
+from specdrafter.inference.eagle import EagleProposer
+from specdrafter.inference.medusa import MedusaProposer
+from specdrafter.inference.proposers import DraftModelProposer
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.models.eagle import Eagle3Head, full_vocab_maps, load_eagle3
+from specdrafter.models.medusa import MedusaConfig, MedusaHeads, load_medusa
+from specdrafter.train.drafters import build_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3",
@@ -133,7 +135,8 @@ def eagle3_from_export(folder: Path, fmt: str) -> Eagle3Head:
 
 def medusa_from_repo_layout(folder: Path) -> MedusaHeads:
     c, weights = config(folder), load_file(str(folder / "medusa_lm_head.safetensors"))
-    L, d, V = c["medusa_num_layers"], weights["0.0.linear.weight"].shape[0], weights[f"0.{c['medusa_num_layers']}.weight"].shape[0]
+    L = c["medusa_num_layers"]
+    d, V = weights["0.0.linear.weight"].shape[0], weights[f"0.{L}.weight"].shape[0]
     heads = MedusaHeads(MedusaConfig(num_heads=c["medusa_num_heads"], num_hidden_layers=L, hidden_size=d, vocab_size=V,
                                      medusa_fc_bias=True))
     ours = {}
@@ -365,7 +368,8 @@ def test_medusa_repo_layout_refuses_distinct_resblocks_it_would_tie(tmp_path, ch
     _, folder, _ = checkpoint("medusa", "drafter.medusa.num_layers=2", "drafter.medusa.num_heads=5")
     with pytest.raises(SpecdrafterError, match=r"repeats one ResBlock per head .* --format medusa-vllm"):
         export(folder, "medusa", tmp_path / "m")
-    assert weight_shapes(export(folder, "medusa-vllm", tmp_path / "v") / "model.safetensors")["blocks.2.layers.1.bias"][0] == (32,)
+    shapes = weight_shapes(export(folder, "medusa-vllm", tmp_path / "v") / "model.safetensors")
+    assert shapes["blocks.2.layers.1.bias"][0] == (32,)
 
 
 @pytest.mark.parametrize("heads, lost", [(3, "heads 4..5 would stay untrained"), (6, "head 6 would be dropped")])

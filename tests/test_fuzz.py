@@ -1,4 +1,4 @@
-"""Fuzzing the two loaders every user file goes through: the recipe loader (data/recipe.py: load_recipe and the CLI)
+"""Fuzzing the two loaders every user file goes through: the recipe loader (core/recipe.py: load_recipe and the CLI)
 and the prompt-file loader (data/assets.py: load_prompt_set). Hundreds of generated malformed inputs, fixed seed,
 in-process: never a traceback, always a SpecdrafterError of one line that names the key, or the line of the file."""
 
@@ -14,9 +14,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from data.assets import load_prompt_set
-from data.io import SpecdrafterError
-from data.recipe import Recipe, RecipeError, cli, load_recipe
+from specdrafter.core.cli import cli
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import Recipe, RecipeError, load_recipe
+from specdrafter.data.assets import load_prompt_set
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 20240617

@@ -12,13 +12,13 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from conftest import small_data_recipe, tiny_llama_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import small_data_recipe, tiny_llama_config
-from data.assets import load_target
-from data.generate import check_free_space, generate_dataset, generate_responses, load_generated
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.assets import load_target
+from specdrafter.data.regenerate import check_free_space, generate_dataset, generate_responses, load_generated
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
@@ -116,8 +116,8 @@ def test_changed_settings_refuse_to_mix_with_old_shards(tmp_path, tiny_target, p
 def test_kill_9_loses_at_most_the_shard_in_progress(tmp_path, tiny_target, prompt_file):
     args = [sys.executable, str(REPO / "launch" / "generate_data.py"), str(DATA_RECIPE), f"output_dir={tmp_path}",
             f"target.model={tiny_target}", "target.dtype=float32", f"data.prompts={prompt_file}", "data.num_conversations=20",
-            "data.responses=target", "data.shard_size=1", "data.batch_size=1", "data.min_prompt_tokens=3", "data.max_new_tokens=48",
-            "data.hidden_states.layer_ids=[]", "data.overlong=truncate"]
+            "data.responses=target", "data.shard_size=1", "data.batch_size=1", "data.min_prompt_tokens=3",
+            "data.max_new_tokens=48", "data.hidden_states.layer_ids=[]", "data.overlong=truncate"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     deadline = time.time() + 240
     while len(list((tmp_path / "shards").glob("shard-*"))) < 2 and time.time() < deadline and proc.poll() is None:

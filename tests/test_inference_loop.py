@@ -3,15 +3,15 @@ draft accepts everything, cache rollback leaves exactly the committed prefix, ba
 
 import pytest
 import torch
+from conftest import REPO, tiny_llama_config
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
-from conftest import REPO, tiny_llama_config
-from data.io import SpecdrafterError
-from data.recipe import load_recipe
-from inference.generate import ASDSettings, speculative_generate
-from inference.proposers import DraftModelProposer, check_vocabularies, self_draft
-from inference.run import decode
-from inference.sampling import SamplingParams
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import load_recipe
+from specdrafter.inference.decode import ASDSettings, speculative_generate
+from specdrafter.inference.proposers import DraftModelProposer, check_vocabularies, self_draft
+from specdrafter.inference.run import decode
+from specdrafter.inference.sampling import SamplingParams
 
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
 

@@ -6,17 +6,17 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_llama_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_llama_config
-from data.features import capture_features
-from data.io import SpecdrafterError
-from inference.generate import speculative_generate, tree_speculative_generate
-from inference.medusa import (MedusaHeads, MedusaProposer, MedusaTreeProposer, init_from_target, load_medusa,
-                              medusa_config, save_medusa, typical_generate, typical_inputs)
-from inference.sampling import SamplingParams
-from inference.tree import cartesian_choices, tree_from_choices
-from inference.verify import verify_typical
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
+from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, typical_generate, typical_inputs
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.inference.tree import cartesian_choices, tree_from_choices
+from specdrafter.inference.verify import verify_typical
+from specdrafter.models.features import capture_features
+from specdrafter.models.medusa import MedusaHeads, init_from_target, load_medusa, medusa_config, save_medusa
 
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
 RAGGED = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # leaves at depths 2 and 3: typical paths get padded

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train.objectives import OBJECTIVES, distill_loss, feature_loss, per_position
+from specdrafter.train.objectives import OBJECTIVES, distill_loss, feature_loss, per_position
 
 INF = float("inf")
 LOG2 = math.log(2)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from data.io import SpecdrafterError
-from data.recipe import load_recipe
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import load_recipe
+from specdrafter.train.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
 from tests.conftest import REPO
-from train.plan import GIB, Setup, make_plan, model_states, meta_counts, preflight, target_config
 
 LLAMA8B = REPO / "recipes" / "llama8b.yaml"
 EIGHT = Setup(world=8, gpus_per_node=8)
@@ -39,7 +39,7 @@ def test_llama8b_plan_counts_and_fits(llama8b):
 
 
 def test_plan_text_has_every_section(llama8b):
-    from train.plan import format_plan
+    from specdrafter.train.plan import format_plan
 
     text = format_plan(llama8b, load_recipe(LLAMA8B))
     for needle in ("per rank", "total", "teacher logits", "data job: recipes/llama8b-data.yaml",
@@ -102,7 +102,7 @@ def test_draft_model_from_shipped_config_and_medusa():
 
 
 def test_per_node_numbers(llama8b):
-    from train.plan import format_plan
+    from specdrafter.train.plan import format_plan
 
     two = plan_of(setup=Setup(world=16, gpus_per_node=8))
     assert two.setup.nodes == 2
@@ -157,5 +157,6 @@ def test_preflight_on_cuda_prints_one_line_or_refuses(capsys, monkeypatch):
 
 def test_launchers_check_before_training():
     for name in ("train_eagle.py", "train_medusa.py", "train_draft.py"):
-        text = (REPO / "launch" / name).read_text()
-        assert 0 < text.index("preflight(cfg)") < text.index("train(cfg)")
+        assert "train_command(" in (REPO / "launch" / name).read_text()
+    text = (REPO / "train" / "command.py").read_text()
+    assert 0 < text.index("preflight(cfg)") < text.index("train(cfg)")

@@ -34,7 +34,7 @@ def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
     report = json.loads((out / "scaling.json").read_text())
     assert sorted(report["runs"]) == ["dataset-120", "dataset-240", "target-120"]
     for name, run in report["runs"].items():
-        assert set(run["cells"]) == {f"chat|T=0|chain", f"chat|T=0|tree"}
+        assert set(run["cells"]) == {"chat|T=0|chain", "chat|T=0|tree"}
         assert all(c["tau"] >= 1 for c in run["cells"].values())
         recipe = (out / name / "recipe.yaml").read_text()
         assert f"data_tokens: {run['budget']}" in recipe and f"data-{run['source']}" in recipe

@@ -11,14 +11,14 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import PROMPTS, REPO
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from conftest import PROMPTS, REPO
-from data.assets import load_target
-from data.io import SpecdrafterError
-from data.recipe import RecipeError, load_recipe
-from data.server import SAMPLING_MESSAGES, TRANSFORMERS_SAMPLING, ServerEngine, parse_reply
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.data.assets import load_target
+from specdrafter.data.server import SAMPLING_MESSAGES, TRANSFORMERS_SAMPLING, ServerEngine, parse_reply
 
 START_TIMEOUT_S = 180
 SERVE = "from transformers.cli.transformers import main; main()"  # `transformers serve`, from this interpreter
@@ -260,13 +260,13 @@ def test_data_job_through_the_server_writes_the_in_process_engines_shards(url, s
     columns, token ids, loss masks and messages as the in-process engine's, and stats.json records the server."""
     import datasets
 
-    from data.generate import generate_dataset, load_generated
+    from specdrafter.data.regenerate import generate_dataset, load_generated
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"c{i}", "turns": [t, "Say it again in other words."]}) + "\n"
                                for i, t in enumerate(["Reply in one word: what colour is the sky?",
                                                       "Name one planet.", "Say only: hello."])))
-    common = [f"target.model={smollm2_dir}", "target.dtype=float32", f"data.prompts={prompts}", "data.responses=target", "data.exclude=[]",
-              "data.num_conversations=3", "data.shard_size=2", "data.max_turns=2", "data.temperature=0",
+    common = [f"target.model={smollm2_dir}", "target.dtype=float32", f"data.prompts={prompts}", "data.responses=target",
+              "data.exclude=[]", "data.num_conversations=3", "data.shard_size=2", "data.max_turns=2", "data.temperature=0",
               "data.max_new_tokens=12", "data.min_prompt_tokens=3", "data.hidden_states.layer_ids=[]"]
     stats = {}
     for engine, extra in (("hf", []), ("server", ["data.engine=server", f"data.servers=[{url}]", "data.concurrency=2"])):

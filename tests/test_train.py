@@ -16,23 +16,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_llama_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-import train.loop
-from conftest import tiny_llama_config
-from data.generate import generate_dataset, load_generated
-from data.io import SpecdrafterError
-from data.recipe import RecipeError, load_recipe
-from inference.eagle import Eagle3Head, eagle3_config
-from inference.generate import speculative_generate
-from inference.run import build_drafter as load_draft_model
-from inference.run import build_proposer, decode, load_serving_target
-from inference.sampling import SamplingParams
-from train.batches import Batch, TrainingData
-from train.drafters import build_drafter, needed_layers, run_target
-from train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
-from train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
+import specdrafter.train.loop as train_loop
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.inference.decode import speculative_generate
+from specdrafter.inference.run import build_proposer, decode, load_draft_model, load_serving_target
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.models.eagle import Eagle3Head, eagle3_config
+from specdrafter.train.batches import Batch, TrainingData
+from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
+from specdrafter.train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3"}
@@ -243,9 +242,9 @@ def test_draft_vocabulary_teacher_gives_the_full_teachers_numbers(tmp_path, monk
                                                                   smollm2_tokenizer, temperature):
     """EAGLE-3's teacher computed over the draft vocabulary only (chunked normaliser, no [R, V] tensor) gives the
     loss, trained mask, α̂ and top-1 agreement of the full-vocabulary teacher."""
-    import train.drafters
-    from train.loop import prediction_loss
-    monkeypatch.setattr(train.drafters, "TEACHER_CHUNK", 5000)  # several chunks over SmolLM2's 49,152 tokens
+    import specdrafter.train.drafters as train_drafters
+    from specdrafter.train.loop import prediction_loss
+    monkeypatch.setattr(train_drafters, "TEACHER_CHUNK", 5000)  # several chunks over SmolLM2's 49,152 tokens
     cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, "train.features=online", f"train.temperature={temperature}")
     data = training_data(cfg, target, smollm2_tokenizer)
     drafter = build_drafter(cfg, target, data)
@@ -342,8 +341,8 @@ def test_deepspeed_two_ranks_train_and_the_loss_falls(kind, deepspeed_run):
 
 
 def test_ranks_benchmark_reports_the_launchers_training_speed(tmp_path, peaky_target, data_dir, monkeypatch):
-    """`python -m eval.bench_train --ranks 1` runs the real DeepSpeed launcher and reads its tokens/s back."""
-    from eval.bench_train import ranks_benchmark
+    """`python -m specdrafter.eval.bench_train --ranks 1` runs the real DeepSpeed launcher and reads its tokens/s back."""
+    from specdrafter.eval.bench_train import ranks_benchmark
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     report = ranks_benchmark(str(REPO / "recipes" / "smollm2-135m-eagle3.yaml"),
@@ -407,14 +406,14 @@ class Killed(Exception):
 
 def kill_after(monkeypatch, step):
     """Make train() die right after it saved the checkpoint of `step`, as a kill -9 between steps would."""
-    real = train.loop.save_checkpoint
+    real = train_loop.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         folder = real(*args, **kwargs)
         if folder.name == f"step-{step:06d}":
             raise Killed(folder)
         return folder
-    monkeypatch.setattr(train.loop, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(train_loop, "save_checkpoint", save_then_die)
 
 
 RESUME = ["train.max_steps=6", "train.grad_accum=2", "train.save_every=1", "train.eval_every=2", "train.warmup_steps=2",
@@ -424,7 +423,7 @@ RESUME = ["train.max_steps=6", "train.grad_accum=2", "train.save_every=1", "trai
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, peaky_target, data_dir) -> Path:
     out = tmp_path_factory.mktemp("resume-reference")
-    train.loop.train(recipe("eagle3", out, peaky_target, data_dir, *RESUME))
+    train_loop.train(recipe("eagle3", out, peaky_target, data_dir, *RESUME))
     return out
 
 
@@ -433,7 +432,7 @@ def test_killed_run_resumes_to_the_same_weights_and_skips_a_partial_save(tmp_pat
     cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, *RESUME)
     kill_after(monkeypatch, 3)
     with pytest.raises(Killed):
-        train.loop.train(cfg)
+        train_loop.train(cfg)
     monkeypatch.undo()
     root = tmp_path / "checkpoints"
     assert [p.name for p in complete_checkpoints(root)] == ["step-000002", "step-000003"]
@@ -445,7 +444,7 @@ def test_killed_run_resumes_to_the_same_weights_and_skips_a_partial_save(tmp_pat
     for f in partial.glob("*.pt"):
         f.write_bytes(b"garbage")
 
-    train.loop.train(cfg)
+    train_loop.train(cfg)
     assert [p.name for p in complete_checkpoints(root)] == ["step-000005", "step-000006"]  # the partial one replaced
     reference, resumed = drafter_weights(uninterrupted), drafter_weights(tmp_path)
     assert reference.keys() == resumed.keys()
@@ -459,10 +458,10 @@ def test_raising_max_steps_on_resume_continues_exactly(tmp_path, peaky_target, d
     """max_steps may change on resume (RESUMABLE_CHANGES). The lr schedule is drawn over max_steps, so with a decaying
     schedule a 3-then-6 run is not a 6-step run; with a constant lr it must be exactly."""
     constant = [*RESUME[1:], "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
-    train.loop.train(recipe("eagle3", tmp_path / "whole", peaky_target, data_dir, *constant, "train.max_steps=6"))
-    train.loop.train(recipe("eagle3", tmp_path / "parts", peaky_target, data_dir, *constant, "train.max_steps=3"))
+    train_loop.train(recipe("eagle3", tmp_path / "whole", peaky_target, data_dir, *constant, "train.max_steps=6"))
+    train_loop.train(recipe("eagle3", tmp_path / "parts", peaky_target, data_dir, *constant, "train.max_steps=3"))
     assert final_drafter(tmp_path / "parts").parent.name == "step-000003"
-    train.loop.train(recipe("eagle3", tmp_path / "parts", peaky_target, data_dir, *constant, "train.max_steps=6"))
+    train_loop.train(recipe("eagle3", tmp_path / "parts", peaky_target, data_dir, *constant, "train.max_steps=6"))
     whole, parts = drafter_weights(tmp_path / "whole"), drafter_weights(tmp_path / "parts")
     for name in whole:
         assert torch.equal(whole[name], parts[name]), name
@@ -521,7 +520,7 @@ def test_medusa2_backbone_is_distilled_towards_the_target_and_feeds_the_heads(tm
 
 
 def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, peaky_target, data_dir):
-    train.loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, *MEDUSA2, "train.max_steps=6",
+    train_loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, *MEDUSA2, "train.max_steps=6",
                             "train.eval_every=3", "train.save_every=3", "train.lr=1e-2",
                             "drafter.medusa.backbone_lr_ratio=0.01", "train.decode_check_every=2", "eval.max_new_tokens=8"))
     checks = [r for r in metrics(tmp_path) if "decode/tau" in r]  # the light evaluation: every 2nd save and the last
@@ -552,7 +551,7 @@ def test_bf16_target_trains_fp32_master_weights(tmp_path, monkeypatch, kind, ext
         return real_initialize(*args, **kwargs)
 
     monkeypatch.setattr(deepspeed, "initialize", spy)
-    train.loop.train(recipe("eagle3" if kind == "eagle1" else kind, tmp_path, peaky_target, data_dir,
+    train_loop.train(recipe("eagle3" if kind == "eagle1" else kind, tmp_path, peaky_target, data_dir,
                             f"drafter.kind={kind}", "target.dtype=bfloat16", f"train.precision={precision}",
                             "train.max_steps=2", "train.lr=1e-6", "train.eval_every=2", "train.save_every=2", *extra))
     assert seen["dtypes"] == {torch.float32}
@@ -646,16 +645,16 @@ def test_data_from_another_target_is_refused(tmp_path, peaky_target, data_dir):
     other = tmp_path / "other-target"
     shutil.copytree(peaky_target, other)
     with pytest.raises(SpecdrafterError, match=re.escape(f"was generated by target '{peaky_target}', not '{other}'")):
-        train.loop.train(recipe("draft_model", tmp_path / "out", other, data_dir))
+        train_loop.train(recipe("draft_model", tmp_path / "out", other, data_dir))
 
 
 def test_resuming_with_another_recipe_names_the_key(uninterrupted, peaky_target, data_dir):
     with pytest.raises(SpecdrafterError, match=r"was made by a different recipe: train.lr \(0.01 → 0.02\)"):
-        train.loop.train(recipe("eagle3", uninterrupted, peaky_target, data_dir, *RESUME, "train.lr=2e-2"))
+        train_loop.train(recipe("eagle3", uninterrupted, peaky_target, data_dir, *RESUME, "train.lr=2e-2"))
 
 
 def test_nan_loss_names_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch, peaky_target, data_dir):
-    real, calls = train.loop.run_target, []
+    real, calls = train_loop.run_target, []
 
     def poisoned(*args):  # the target's logits turn NaN from the third batch on
         out = real(*args)
@@ -663,17 +662,18 @@ def test_nan_loss_names_the_step_and_the_last_good_checkpoint(tmp_path, monkeypa
         if len(calls) >= 3:
             out.logits.fill_(float("nan"))
         return out
-    monkeypatch.setattr(train.loop, "run_target", poisoned)
+    monkeypatch.setattr(train_loop, "run_target", poisoned)
     cfg = recipe("draft_model", tmp_path, peaky_target, data_dir, "train.max_steps=5", "train.save_every=1",
                  "train.eval_every=100")
-    with pytest.raises(SpecdrafterError, match=r"loss is nan at step 3: .* last good checkpoint is " + re.escape(f"{tmp_path}/checkpoints/step-000002") + "$"):
-        train.loop.train(cfg)
+    last_good = re.escape(f"{tmp_path}/checkpoints/step-000002")
+    with pytest.raises(SpecdrafterError, match=r"loss is nan at step 3: .* last good checkpoint is " + last_good + "$"):
+        train_loop.train(cfg)
 
 
 def test_heldout_must_leave_training_conversations(tmp_path, peaky_target, data_dir):
     n = len(load_generated(data_dir))
     with pytest.raises(SpecdrafterError, match=f"'train.heldout' \\({n}\\) leaves no training conversations out of {n}"):
-        train.loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, f"train.heldout={n}"))
+        train_loop.train(recipe("medusa", tmp_path, peaky_target, data_dir, f"train.heldout={n}"))
 
 
 def test_wandb_offline_logs_the_run_and_warm_start_begins_from_a_checkpoint(tmp_path, uninterrupted, peaky_target,
@@ -683,7 +683,7 @@ def test_wandb_offline_logs_the_run_and_warm_start_begins_from_a_checkpoint(tmp_
     source = complete_checkpoints(uninterrupted / "checkpoints")[-1]
     cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, *RESUME, "train.max_steps=1", "train.lr=1e-3",
                  "train.wandb.mode=offline", f"train.warm_start={source}")
-    train.loop.train(cfg)
+    train_loop.train(cfg)
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (tmp_path / "wandb_run_id").is_file()
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
@@ -719,7 +719,7 @@ def test_a_checkpoint_records_the_checksum_of_every_file(uninterrupted):
 @pytest.mark.parametrize("how", ["truncate", "zero", "bitflip"])
 @pytest.mark.parametrize("name", CHECKPOINT_FILES)
 def test_a_damaged_newest_checkpoint_is_named_and_moved_aside(tmp_path, uninterrupted, name, how):
-    from data.io import discard_damaged_checkpoints
+    from specdrafter.core.io import discard_damaged_checkpoints
     root = tmp_path / "checkpoints"
     shutil.copytree(uninterrupted / "checkpoints", root)
     assert discard_damaged_checkpoints(root) == []  # intact: nothing moved
@@ -738,7 +738,7 @@ def test_resume_skips_a_damaged_checkpoint_and_trusts_one_written_before_checksu
     cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, *RESUME)
     kill_after(monkeypatch, 3)
     with pytest.raises(Killed):
-        train.loop.train(cfg)
+        train_loop.train(cfg)
     monkeypatch.undo()
     root = tmp_path / "checkpoints"
     damage(root / "step-000003" / "mp_rank_00_model_states.pt", "bitflip")
@@ -746,7 +746,7 @@ def test_resume_skips_a_damaged_checkpoint_and_trusts_one_written_before_checksu
     (root / "step-000002" / "trainer_state.json").write_text(json.dumps(
         {k: v for k, v in legacy.items() if k not in ("files", "state_sha256")}))
     with caplog.at_level("WARNING", logger="specdrafter"):
-        train.loop.train(cfg)
+        train_loop.train(cfg)
     moved = [r.message for r in caplog.records if "is damaged" in r.message]
     assert moved == [f"checkpoint {root / 'step-000003'} is damaged (mp_rank_00_model_states.pt does not match its "
                      "checksum): moved aside to step-000003.damaged; resuming from step-000002"]
@@ -762,26 +762,26 @@ def test_an_unreadable_checkpoint_without_checksums_is_one_line():
             raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
     with pytest.raises(SpecdrafterError, match=r"^checkpoint /run/checkpoints/step-000004 cannot be loaded \("
                                                r"PytorchStreamReader failed reading zip archive: .*\); move it aside"):
-        train.loop.load_deepspeed_state(Engine(), Path("/run/checkpoints/step-000004"))
+        train_loop.load_deepspeed_state(Engine(), Path("/run/checkpoints/step-000004"))
 
     class Empty:
         def load_checkpoint(self, *args, **kwargs):
             return None, None
     with pytest.raises(SpecdrafterError, match="holds no DeepSpeed training state"):
-        train.loop.load_deepspeed_state(Empty(), Path("/run/checkpoints/step-000004"))
+        train_loop.load_deepspeed_state(Empty(), Path("/run/checkpoints/step-000004"))
 
 
 def test_max_length_beyond_the_targets_positions_names_the_key(tmp_path, peaky_target, data_dir):
     with pytest.raises(SpecdrafterError, match=r"'train.max_length' \(100000\) exceeds the target's "
                                                r"max_position_embeddings \(512\)"):
-        train.loop.train(recipe("eagle3", tmp_path, peaky_target, data_dir, "train.max_length=100000"))
+        train_loop.train(recipe("eagle3", tmp_path, peaky_target, data_dir, "train.max_length=100000"))
 
 
 def test_two_ranks_record_every_ranks_files_and_resume_past_a_damaged_shard(tmp_path, deepspeed_run, peaky_target,
                                                                             data_dir):
     """ZeRO-2 over 2 ranks: rank 0 records rank 1's optimizer shard too; with that shard damaged, the rerun moves the
     newest checkpoint aside (rank 0, before any rank loads) and both ranks resume from the one before."""
-    from data.io import checkpoint_problem, write_checkpoint_state
+    from specdrafter.core.io import checkpoint_problem, write_checkpoint_state
     done, out = deepspeed_run("eagle3")
     assert done.returncode == 0, done.stderr[-3000:]
     files = json.loads((out / "checkpoints" / "step-000008" / "trainer_state.json").read_text())["files"]

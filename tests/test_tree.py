@@ -4,14 +4,14 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import assert_first_two_tokens_follow, tiny_llama_config
 from transformers import DynamicCache, LlamaForCausalLM
 
-from conftest import assert_first_two_tokens_follow, tiny_llama_config
-from data.io import SpecdrafterError
-from inference.generate import tree_speculative_generate
-from inference.proposers import DraftModelTreeProposer, DynamicTreeProposer
-from inference.sampling import SamplingParams
-from inference.tree import cartesian_choices, tree_attention, tree_from_choices, tree_from_parents, tree_positions
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.decode import tree_speculative_generate
+from specdrafter.inference.proposers import DraftModelTreeProposer, DynamicTreeProposer
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.inference.tree import cartesian_choices, tree_attention, tree_from_choices, tree_from_parents, tree_positions
 
 
 def test_tree_from_choices_is_breadth_first_with_parents_and_paths():

@@ -10,10 +10,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from data.io import SpecdrafterError
-from inference.sampling import SamplingParams, draw, sample, sampling_probs
-from inference.verify import (RegretLedger, verify_asd, verify_greedy, verify_sampling, verify_tree_greedy,
-                              verify_tree_sampling, verify_typical)
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.sampling import SamplingParams, draw, sample, sampling_probs
+from specdrafter.inference.verify import (
+    RegretLedger,
+    verify_asd,
+    verify_greedy,
+    verify_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_typical,
+)
 
 LEVEL = 1e-4
 

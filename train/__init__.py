@@ -1,1 +1,2 @@
-"""Drafters (draft model, Medusa, EAGLE), objectives, the DeepSpeed loop, checkpoints, export."""
+"""Drafter training: what each drafter kind predicts (drafters.py), the objectives, batches, the DeepSpeed loop and
+the memory plan."""

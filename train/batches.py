@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from data.generate import load_generated
-from data.io import SpecdrafterError, json_file_problem, read_safetensors
-from data.recipe import load_saved_recipe
+
+from specdrafter.core.io import SpecdrafterError, json_file_problem, read_safetensors
+from specdrafter.core.recipe import load_saved_recipe
+from specdrafter.data.regenerate import load_generated
 
 
 @dataclass
@@ -49,7 +50,8 @@ class TrainingData:
             dataset = dataset.select(range(reached))
         for column in ("input_ids", "loss_mask"):
             if column not in dataset.column_names:
-                raise SpecdrafterError(f"dataset {str(data_dir)!r} has no {column!r} column; regenerate it with launch/generate_data.py")
+                raise SpecdrafterError(f"dataset {str(data_dir)!r} has no {column!r} column; regenerate it with "
+                                       "launch/generate_data.py")
         check_same_tokenizer(data_dir, dataset, tokenizer, target_name)
         self.sequences = [torch.tensor(ids[:max_length]) for ids in dataset["input_ids"]]
         self.masks = [torch.tensor(m[:max_length]) for m in dataset["loss_mask"]]

@@ -22,13 +22,13 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from data.features import capture_features, check_layer_ids
-from data.io import SpecdrafterError, check_model_folder, publish_dir, temp_dir_beside, write_config_and_weights
-from inference.eagle import Eagle1Head, Eagle3Head, check_aux_order, eagle1_config, eagle3_config, save_eagle3
-from inference.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
-from train.batches import Batch
-from train.eagle import build_draft_vocab, shift_left, training_time_test
-from train.objectives import feature_loss
+from specdrafter.core.io import SpecdrafterError, check_model_folder, publish_dir, temp_dir_beside, write_config_and_weights
+from specdrafter.models.eagle import Eagle1Head, Eagle3Head, check_aux_order, eagle1_config, eagle3_config, save_eagle3
+from specdrafter.models.features import capture_features, check_layer_ids
+from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
+from specdrafter.train.batches import Batch
+from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test
+from specdrafter.train.objectives import feature_loss
 
 # The dtype of every trainable drafter's weights, whatever the target's: AdamW on bf16 weights loses the updates
 # smaller than bf16's resolution. train.precision=amp_bf16 runs the matmuls in bf16 under autocast; DeepSpeed's bf16
@@ -53,7 +53,8 @@ class Prediction:
 @dataclass
 class TargetOutput:
     features: Dict[int, torch.Tensor]  # {layer id: [B, T, d]}
-    logits: torch.Tensor  # [R, V] (or [R, Vd]: draft vocabulary only) the target's logits at the rows that predict a target-generated token
+    # [R, V] (or [R, Vd]: draft vocabulary only) the target's logits at the rows that predict a target-generated token
+    logits: torch.Tensor
     row_index: torch.Tensor  # [B, T] index into `logits` (−1 elsewhere)
     lse: Optional[torch.Tensor] = None  # [R] with draft-vocabulary logits: log Σ_v exp(z_v / T) over the full vocabulary
     top_in_vocab: Optional[torch.Tensor] = None  # [R] bool: the target's top token is in the draft vocabulary
@@ -326,7 +327,7 @@ class Eagle3Drafter:
 
 
 def needed_layers(cfg: DictConfig, target_config) -> List[int]:
-    """Target layers the drafter reads (ids as in data/features.py). The last layer's output is always among
+    """Target layers the drafter reads (ids as in models/features.py). The last layer's output is always among
     them: from it offline mode rebuilds the target's logits."""
     L = target_config.num_hidden_layers
     if cfg.drafter.kind.value == "eagle3":

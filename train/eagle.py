@@ -16,7 +16,7 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
-from inference.eagle import Eagle3Head
+from specdrafter.models.eagle import Eagle3Head
 
 
 def build_draft_vocab(token_ids: Sequence[torch.Tensor], vocab_size: int, draft_vocab_size: int):

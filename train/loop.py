@@ -32,17 +32,26 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from data.assets import load_prompt_set, load_target  # noqa: E402
-from data.io import (TRAINER_STATE, SpecdrafterError, atomic_write_text, checkpoint_problem,  # noqa: E402
-                     complete_checkpoints, discard_damaged_checkpoints, first_line, publish_dir, temp_dir_beside,
-                     write_checkpoint_state)
-from data.recipe import load_saved_recipe  # noqa: E402
-from inference.generate import speculative_generate  # noqa: E402
-from inference.run import block_length, build_proposer, serving_model  # noqa: E402
-from inference.sampling import SamplingParams  # noqa: E402
-from train.batches import TrainingData  # noqa: E402
-from train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
-from train.objectives import distill_loss  # noqa: E402
+from specdrafter.core.io import (  # noqa: E402
+    TRAINER_STATE,
+    SpecdrafterError,
+    atomic_write_text,
+    checkpoint_problem,
+    complete_checkpoints,
+    discard_damaged_checkpoints,
+    first_line,
+    publish_dir,
+    temp_dir_beside,
+    write_checkpoint_state,
+)
+from specdrafter.core.recipe import load_saved_recipe  # noqa: E402
+from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
+from specdrafter.inference.decode import speculative_generate  # noqa: E402
+from specdrafter.inference.run import block_length, build_proposer, serving_model  # noqa: E402
+from specdrafter.inference.sampling import SamplingParams  # noqa: E402
+from specdrafter.train.batches import TrainingData  # noqa: E402
+from specdrafter.train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
+from specdrafter.train.objectives import distill_loss  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -217,7 +226,8 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     per_epoch = len(data.train) // (t.micro_batch_size * world)  # micro-batches per rank per epoch
     if per_epoch < t.grad_accum:
         raise SpecdrafterError(f"{len(data.train)} training conversations make less than one optimizer step of "
-                               f"{t.micro_batch_size} × {t.grad_accum} × {world} ranks; lower train.micro_batch_size or train.grad_accum")
+                               f"{t.micro_batch_size} × {t.grad_accum} × {world} ranks; lower train.micro_batch_size or "
+                               "train.grad_accum")
     total = t.max_steps or t.epochs * per_epoch // t.grad_accum
     optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))

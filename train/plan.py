@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS_DIR = REPO / "recipes" / "targets"
@@ -66,8 +66,8 @@ def target_config(name: str):
 
 
 def _config_path(name: str) -> Optional[Path]:
-    from data.assets import SMOLLM2_DIR, cache_dir
-    from data.recipe import BUILTIN_TARGETS
+    from specdrafter.core.recipe import BUILTIN_TARGETS
+    from specdrafter.data.assets import SMOLLM2_DIR, cache_dir
 
     if name in BUILTIN_TARGETS:
         folder = cache_dir() / "models" / SMOLLM2_DIR
@@ -132,7 +132,7 @@ def _meta_drafter(cfg: DictConfig, target):
     """(module, draft shapes or None). A draft model named by drafter.path is built from its config, not loaded."""
     import warnings
 
-    from train.drafters import build_drafter
+    from specdrafter.train.drafters import build_drafter
 
     dr = cfg.drafter
     with warnings.catch_warnings():
@@ -303,7 +303,7 @@ def _bytes(dtype: str) -> int:
 
 
 def _needed_layers(cfg: DictConfig, T: Shapes) -> List[int]:
-    from train.drafters import default_aux_layers
+    from specdrafter.train.drafters import default_aux_layers
 
     if cfg.drafter.kind.value == "eagle3":
         return sorted(set(cfg.drafter.eagle.aux_layer_ids or default_aux_layers(T.layers)) | {T.layers})
@@ -338,7 +338,7 @@ def _prediction(act: Activations, rows: int, V: int, a: int, objective: Tuple[in
 
 
 def _eagle3(act, cfg, T: Shapes, N, B, L, a, amp, bf16, bt, objective, s: Setup) -> None:
-    from train.drafters import TEACHER_CHUNK
+    from specdrafter.train.drafters import TEACHER_CHUNK
 
     e = cfg.drafter.eagle
     Vd = e.draft_vocab_size or T.vocab
@@ -453,10 +453,11 @@ def memory_terms(cfg: DictConfig, tconf, c: Counts, s: Setup) -> Tuple[Dict[str,
         terms["reduce bucket"] = at_peak["reduce bucket"]
     terms["activations"] = at_peak["activations"]
     terms["teacher logits"] = at_peak["teacher logits"]
-    from train.drafters import TEACHER_CHUNK
+    from specdrafter.train.drafters import TEACHER_CHUNK
 
     notes = [f"peak: during the {PHASES[phase]}",
-             f"teacher rows: {act.logits / GIB:.2f} GiB kept for the loss, {(act.features + max(act.teacher_peak, act.logits)) / GIB:.2f} "
+             f"teacher rows: {act.logits / GIB:.2f} GiB kept for the loss, "
+             f"{(act.features + max(act.teacher_peak, act.logits)) / GIB:.2f} "
              f"GiB peak while the target and train.drafters.teacher_rows run (TEACHER_CHUNK {TEACHER_CHUNK} vocabulary rows)",
              f"gradients {(st.grads_kept + st.grads_backward) / GIB:.2f} GiB in all; reduce bucket {st.bucket / GIB:.2f} GiB"
              if st.bucket else f"gradients {(st.grads_kept + st.grads_backward) / GIB:.2f} GiB from the backward to the step"]
@@ -475,7 +476,7 @@ def recipe_checks(cfg: DictConfig, T: Shapes, s: Setup) -> List[Tuple[bool, str]
     out = []
     dr, kind = cfg.drafter, cfg.drafter.kind.value
     if kind == "eagle3":
-        from train.drafters import default_aux_layers
+        from specdrafter.train.drafters import default_aux_layers
 
         aux = list(dr.eagle.aux_layer_ids) or default_aux_layers(T.layers)
         bad = [k for k in aux if not 0 <= k <= T.layers]
@@ -556,7 +557,7 @@ def memory_check(plan: Plan) -> Tuple[bool, str]:
 def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
     """The data job behind train.data_dir (its stats.json when it ran, else its recipe's upper bound), the
     hidden-state cache's disk, and each node's share."""
-    from data.generate import hidden_states_bytes
+    from specdrafter.data.regenerate import hidden_states_bytes
 
     facts: Dict[str, object] = {}
     data_dir = cfg.train.data_dir
@@ -597,7 +598,7 @@ def _data_job(cfg: DictConfig) -> Tuple[Optional[DictConfig], str]:
 
 def _data_section(path: Path, output_dir: Optional[str]) -> Optional[DictConfig]:
     """The schema-merged data section of a recipe file (whose output_dir is `output_dir`, when given), or None."""
-    from data.recipe import Recipe
+    from specdrafter.core.recipe import Recipe
 
     try:
         raw = OmegaConf.load(path)
@@ -664,7 +665,8 @@ def _data_lines(p: Plan, cfg: DictConfig) -> List[str]:
     cache = "cached by the data job" if f["cached"] else "not cached (online features); offline it would take"
     return ["data",
             f"  data job: {f['job']}",
-            f"  tokens: {f['tokens']:,} ({how}); training reads ≤ {f['train_tokens']:,} (train.max_length {cfg.train.max_length})",
+            f"  tokens: {f['tokens']:,} ({how}); training reads ≤ {f['train_tokens']:,} "
+            f"(train.max_length {cfg.train.max_length})",
             f"  hidden-state cache, layers {f['cache_layers']}: {cache} {_size(f['cache_per_million'])} per 1M tokens, "
             f"{_size(f['cache_total'])} for this data"]
 
@@ -678,7 +680,8 @@ def _node_lines(p: Plan, cfg: DictConfig) -> List[str]:
         if cfg.train.features.value == "offline":
             host += s.gpus_per_node * int(f["cache_total"])
         lines.append(f"  GPU memory {s.gpus_per_node} × {p.total / GIB:.1f} GiB; host RAM ≥ {host / GIB:.1f} GiB (each rank "
-                     f"loads the target on the host and holds every conversation{' and the cache' if cfg.train.features.value == 'offline' else ''})")
+                     "loads the target on the host and holds every "
+                     f"conversation{' and the cache' if cfg.train.features.value == 'offline' else ''})")
     disk = 20 * int(f["tokens"]) + (int(f["cache_total"]) if cfg.train.features.value == "offline" else 0)
     lines.append(f"  disk: train.data_dir ≈ {_size(disk)} on every node (shards"
                  f"{' + hidden/' if cfg.train.features.value == 'offline' else ''}); output_dir on a filesystem all nodes share")

@@ -8,19 +8,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from data.features import capture_features
-from data.io import SpecdrafterError
-from inference.autotune import BlockLengthTuner
-from inference.sampling import SamplingParams, sampling_probs
-from inference.tree import tree_attention, tree_positions
-from inference.verify import (RegretLedger, Verdict, verify_asd, verify_greedy, verify_sampling, verify_tree_greedy,
-                              verify_tree_sampling)
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.autotune import BlockLengthTuner
+from specdrafter.inference.proposers import Proposer, TreeProposer
+from specdrafter.inference.sampling import SamplingParams, sampling_probs
+from specdrafter.inference.tree import TreeShape, tree_attention, tree_positions
+from specdrafter.inference.verify import (
+    RegretLedger,
+    Verdict,
+    verify_asd,
+    verify_greedy,
+    verify_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
+from specdrafter.models.features import capture_features
 
 
 @dataclass
@@ -60,7 +68,7 @@ class ASDSettings:
 
 
 @torch.no_grad()
-def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          params: SamplingParams = SamplingParams(0.0), k: Union[int, BlockLengthTuner] = 4,
                          eos_token_ids: Sequence[int] = (), asd: Optional[ASDSettings] = None,
                          generator: Optional[torch.Generator] = None, record_tv: bool = False) -> GenerationResult:
@@ -79,7 +87,7 @@ def speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int],
         tuner.calibrate(target, prompt_ids)
     if asd is not None and not params.greedy:
         raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
-    taps = getattr(proposer, "feature_layers", ())  # EAGLE / Medusa read target features; draft models do not
+    taps = proposer.feature_layers  # EAGLE / Medusa read target features; draft models do not
     with capture_features(target, taps) as features:
         return _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
                            features if taps else None, record_tv and asd is None)
@@ -102,47 +110,65 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos
         t1 = time.perf_counter()
         ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()])  # [1, k+1]
         logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0]  # [k+1, V]
-        tv = time.perf_counter()
+        t_logits = time.perf_counter()
         verdict = _verify(proposal, logits, params, ledger, asd, generator)
         t2 = time.perf_counter()
         new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
         cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
-        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv, size=k + 1))
+        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - t_logits, size=k + 1))
         if tuner:
             tuner.update(k, verdict.num_accepted, t1 - t0)
         if record_tv:
-            result.cycles[-1].tv = total_variation(proposal, logits, min(verdict.num_accepted + 1, k), params)
+            result.cycles[-1].tv = drafted_tv(proposal, logits, min(verdict.num_accepted + 1, k), params)
             result.cycles[-1].tv_s = time.perf_counter() - t2
         done = _commit(new, committed, result, eos, max_new_tokens)
     result.asd_regret = ledger.spent if ledger else 0.0
     return result
 
 
+TreeAcceptance = Callable[[TreeShape, torch.Tensor, torch.Tensor], Tuple[List[int], int]]
+"""An acceptance rule for one verified tree: (shape, node tokens [N+1], the target's logits [N+1, V]) → (the accepted
+nodes, root excluded, root-to-leaf; the token that follows them: the correction or the bonus)."""
+
+
+def exact_tree_acceptance(params: SamplingParams, generator: Optional[torch.Generator] = None) -> TreeAcceptance:
+    """Exact tree verification: the argmax path at T = 0, otherwise the deterministic-top-k sampling rule
+    (docs/algorithms.md §Token trees) — the output is distributed exactly as the target's own sampling."""
+    def accept(shape: TreeShape, tokens: torch.Tensor, logits: torch.Tensor) -> Tuple[List[int], int]:
+        if params.greedy:
+            verdict = verify_tree_greedy(shape.parents, tokens, logits)
+        else:
+            verdict = verify_tree_sampling(shape.parents, tokens, sampling_probs(logits, params), None, "topk", generator)
+        return verdict.accepted_nodes, verdict.next_token
+    return accept
+
+
 @torch.no_grad()
-def tree_speculative_generate(target: nn.Module, proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+def tree_speculative_generate(target: nn.Module, proposer: TreeProposer, prompt_ids: Sequence[int], max_new_tokens: int,
                               params: SamplingParams = SamplingParams(0.0),
                               eos_token_ids: Sequence[int] = (),
-                              generator: Optional[torch.Generator] = None) -> GenerationResult:
+                              generator: Optional[torch.Generator] = None,
+                              accept: Optional[TreeAcceptance] = None) -> GenerationResult:
     """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
     attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
-    deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule."""
-    tuner = getattr(proposer, "tuner", None)  # a TreeSizeTuner picks how much of each drafted tree to verify
+    deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule. `accept` replaces that rule
+    (Medusa's typical acceptance: inference/medusa.py:typical_generate)."""
+    tuner = proposer.tuner  # a TreeSizeTuner picks how much of each drafted tree to verify
     if tuner is not None and not tuner.calibrated:
         tuner.calibrate(target, prompt_ids)
-    taps = getattr(proposer, "feature_layers", ())
+    taps = proposer.feature_layers
     with capture_features(target, taps) as features:
-        return _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_ids, generator,
-                          features if taps else None)
+        return _tree_loop(target, proposer, prompt_ids, max_new_tokens, accept or exact_tree_acceptance(params, generator),
+                          eos_token_ids, features if taps else None)
 
 
-def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_ids, generator,
+def _tree_loop(target, proposer: TreeProposer, prompt_ids, max_new_tokens, accept: TreeAcceptance, eos_token_ids,
                features) -> GenerationResult:
     committed, cache = _prefill(target, prompt_ids, max_new_tokens + proposer.max_tree_size)
     proposer.reset()
     _observe(proposer, features, slice(None))
-    tuner = getattr(proposer, "tuner", None)
     result, eos, done = GenerationResult([]), set(eos_token_ids), False
     while not done:
         t0 = time.perf_counter()
@@ -150,22 +176,19 @@ def _tree_loop(target, proposer, prompt_ids, max_new_tokens, params, eos_token_i
         t1 = time.perf_counter()
         past = len(committed) - 1
         logits = tree_pass(target, cache, shape, tokens, past)  # [N+1, V]
-        tv = time.perf_counter()
-        if params.greedy:
-            verdict = verify_tree_greedy(shape.parents, tokens, logits)
-        else:
-            verdict = verify_tree_sampling(shape.parents, tokens, sampling_probs(logits, params), None, "topk", generator)
+        t_logits = time.perf_counter()
+        accepted, next_token = accept(shape, tokens, logits)
         t2 = time.perf_counter()
-        keep = [0] + verdict.accepted_nodes  # tree slots to keep: the root and the accepted path
+        keep = [0] + accepted  # tree slots to keep: the root and the accepted path
         compact_cache(cache, [past + j for j in keep], past)
         cache.crop(-(shape.size - len(keep)))  # rollback: drop the rejected branches
-        new = [int(tokens[j]) for j in verdict.accepted_nodes] + [verdict.next_token]
+        new = [int(tokens[j]) for j in accepted] + [next_token]
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, keep)  # target features of the root and the accepted path
-        result.cycles.append(CycleStats(max(shape.depths), verdict.num_accepted, t1 - t0, t2 - t1, t2 - tv,
+        result.cycles.append(CycleStats(max(shape.depths), len(accepted), t1 - t0, t2 - t1, t2 - t_logits,
                                         size=shape.size))
-        if tuner is not None:
-            tuner.update(shape.parents, proposer.node_probs, verdict.accepted_nodes, t1 - t0)
+        if proposer.tuner is not None:
+            proposer.tuner.update(shape.parents, proposer.node_probs, accepted, t1 - t0)
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
 
@@ -216,7 +239,7 @@ def compact_cache(cache: DynamicCache, slots: List[int], start: int) -> None:
         layer.values[:, :, start:start + len(slots)] = layer.values[:, :, index]
 
 
-def total_variation(proposal, logits: torch.Tensor, tried: int, params: SamplingParams) -> List[float]:
+def drafted_tv(proposal, logits: torch.Tensor, tried: int, params: SamplingParams) -> List[float]:
     """D_TV(p_i, q_i) = ½ Σ |p_i − q_i| at the first `tried` draft positions, p and q processed alike (at T = 0
     both are one-hot: the draft's token vs the target's argmax)."""
     p = sampling_probs(logits[:tried], params)  # [tried, V]

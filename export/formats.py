@@ -42,19 +42,25 @@ from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
-from data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
-from data.io import (SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints, publish_dir,
-                     temp_dir_beside)
-from data.io import check_model_folder, json_file_problem, read_checkpoint_state
-from data.recipe import load_saved_recipe
-from inference.eagle import check_aux_order, load_eagle3
-from inference.medusa import load_medusa
-from inference.run import drafter_kind_of
+from specdrafter.core.io import (
+    SpecdrafterError,
+    atomic_write_json,
+    atomic_write_text,
+    check_model_folder,
+    complete_checkpoints,
+    json_file_problem,
+    publish_dir,
+    read_checkpoint_state,
+    temp_dir_beside,
+)
+from specdrafter.core.recipe import load_saved_recipe
+from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
+from specdrafter.models.eagle import check_aux_order, load_eagle3
+from specdrafter.models.kinds import KIND_NAMES, drafter_kind_of
+from specdrafter.models.medusa import load_medusa
 
 FORMATS = {"vllm": "eagle3", "sglang": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa", "medusa": "medusa",
            "hf-draft": "draft_model"}  # --format → the drafter kind it exports
-KIND_NAMES = {"eagle3": "an EAGLE-3 head", "eagle1": "an EAGLE-1 head", "medusa": "Medusa heads",
-              "draft_model": "a draft model"}
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 TAGS = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft-model"}
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",

@@ -34,11 +34,20 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from data.assets import load_prompt_set, load_target
-from data.features import capture_features, check_layer_ids
-from data.io import (SpecdrafterError, atomic_write_json, checksum_problem, file_checksums, first_line,
-                     json_file_problem, publish_dir, remove_stale_temps, temp_dir_beside)
-from data.recipe import save_recipe
+from specdrafter.core.io import (
+    SpecdrafterError,
+    atomic_write_json,
+    checksum_problem,
+    file_checksums,
+    first_line,
+    json_file_problem,
+    publish_dir,
+    remove_stale_temps,
+    temp_dir_beside,
+)
+from specdrafter.core.recipe import save_recipe
+from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.models.features import capture_features, check_layer_ids
 
 log = logging.getLogger("specdrafter")
 datasets.disable_progress_bars()  # one progress bar (ours) is enough
@@ -476,7 +485,7 @@ def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int
     """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server)."""
     d = cfg.data
     if d.engine.value == "server":
-        from data.server import ServerEngine
+        from specdrafter.data.server import ServerEngine
         return ServerEngine(list(d.servers), d.concurrency, tokenizer)
     return HFEngine(model, tokenizer, d.batch_size, on_batch)
 
@@ -555,7 +564,8 @@ def generate_dataset(cfg: DictConfig) -> dict:
         progress.update(num_conversations)
 
     engine = build_engine(cfg, model, tokenizer, on_batch)
-    engine_facts = engine.probe(d.temperature, d.top_p) if todo and any(p["source"] == "target" for p in selection.prompts) else {}
+    regenerates = todo and any(p["source"] == "target" for p in selection.prompts)
+    engine_facts = engine.probe(d.temperature, d.top_p) if regenerates else {}
     ended: Dict[str, int] = {}
     start = time.perf_counter()  # after the probe: tokens/s is the regeneration's own
     for i in todo:

@@ -12,18 +12,17 @@ import functools
 import io
 import math
 import os
-import sys
 import urllib.parse
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from data.io import SpecdrafterError, atomic_write_text, first_line
+from specdrafter.core.io import SpecdrafterError, atomic_write_text, first_line
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 PROMPT_SETS = ("mtbench", "humaneval", "gsm8k", "sharegpt")
@@ -66,7 +65,8 @@ class TargetConfig:
 @dataclass
 class HiddenStatesConfig:
     # Target layers whose *input* hidden states are cached for offline EAGLE training (vLLM's convention:
-    # id k = input to decoder layer k; id num_hidden_layers = the last layer's output before the final norm; data/features.py). Empty = off.
+    # id k = input to decoder layer k; id num_hidden_layers = the last layer's output before the final norm;
+    # models/features.py). Empty = off.
     layer_ids: List[int] = field(default_factory=list)
     dtype: DType = DType.bfloat16
     batch_size: int = 8
@@ -162,7 +162,8 @@ class Precision(Enum):
     auto = "auto"  # bf16 on a GPU, fp32 on CPU
     fp32 = "fp32"
     bf16 = "bf16"  # DeepSpeed bf16: bf16 weights with fp32 master copies
-    amp_bf16 = "amp_bf16"  # fp32 weights and optimizer; teacher lm_head and drafter forward under bf16 autocast (CPUs with AVX512-BF16 / AMX, GPUs)
+    # fp32 weights and optimizer; teacher lm_head and drafter forward under bf16 autocast (CPUs with AVX512-BF16 / AMX, GPUs)
+    amp_bf16 = "amp_bf16"
 
 
 class WandbMode(Enum):
@@ -277,7 +278,8 @@ class EvalConfig:
     max_new_tokens: int = 64
     temperatures: List[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     verifiers: List[EvalVerifier] = field(default_factory=lambda: [EvalVerifier.chain])
-    k_sweep: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])  # measured speedup vs k: newest checkpoint, first set, T = 0
+    # measured speedup vs k: newest checkpoint, first set, T = 0
+    k_sweep: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     asd_sweep: List[List[float]] = field(default_factory=lambda: [[4, 0.25, 1], [16, 0.5, 2]])  # [budget, gate, max_mismatches]
     output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
     wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)
@@ -508,18 +510,21 @@ def _check_values(cfg: DictConfig) -> None:
         raise RecipeError(f"recipe key 'data.target_share' must be in [0, 1] with data.responses=mix (the share of "
                           f"conversations the target regenerates), got {d.target_share}")
     if d.min_prompt_tokens > d.max_prompt_tokens:
-        raise RecipeError(f"recipe key 'data.min_prompt_tokens' ({d.min_prompt_tokens}) exceeds data.max_prompt_tokens ({d.max_prompt_tokens})")
+        raise RecipeError(f"recipe key 'data.min_prompt_tokens' ({d.min_prompt_tokens}) exceeds data.max_prompt_tokens "
+                          f"({d.max_prompt_tokens})")
     if d.temperature < 0:
         raise RecipeError(f"recipe key 'data.temperature' must be >= 0, got {d.temperature}")
     if not 0 < d.top_p <= 1:
         raise RecipeError(f"recipe key 'data.top_p' must be in (0, 1], got {d.top_p}")
     if any(k < 0 for k in d.hidden_states.layer_ids):
-        raise RecipeError(f"recipe key 'data.hidden_states.layer_ids' must be non-negative, got {list(d.hidden_states.layer_ids)}")
+        raise RecipeError("recipe key 'data.hidden_states.layer_ids' must be non-negative, got "
+                          f"{list(d.hidden_states.layer_ids)}")
     for name in d.exclude:
         if name not in PROMPT_SETS[:-1]:
             raise RecipeError(f"recipe key 'data.exclude': unknown evaluation set {name!r} (valid: mtbench, humaneval, gsm8k)")
     if d.prompts not in PROMPT_SETS and not Path(d.prompts).expanduser().is_file():
-        raise RecipeError(f"recipe key 'data.prompts': {d.prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an existing file")
+        raise RecipeError(f"recipe key 'data.prompts': {d.prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an "
+                          "existing file")
     inf = cfg.inference
     checks = {"inference.k": (inf.k == "auto" or (isinstance(inf.k, int) and inf.k >= 1), "auto or >= 1"),
               "inference.k_max": (inf.k_max >= 1, ">= 1"), "inference.max_new_tokens": (inf.max_new_tokens >= 1, ">= 1"),
@@ -530,11 +535,14 @@ def _check_values(cfg: DictConfig) -> None:
         if not ok:
             raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
     if inf.verifier.value == "typical" and (cfg.drafter.kind.value != "medusa" or not inf.tree):
-        raise RecipeError("recipe key 'inference.verifier': typical acceptance needs drafter.kind=medusa and a static inference.tree")
+        raise RecipeError("recipe key 'inference.verifier': typical acceptance needs drafter.kind=medusa and a static "
+                          "inference.tree")
     if inf.tree and inf.dynamic_tree.total_tokens:
-        raise RecipeError("recipe keys 'inference.tree' and 'inference.dynamic_tree.total_tokens': choose a static or a dynamic tree, not both")
+        raise RecipeError("recipe keys 'inference.tree' and 'inference.dynamic_tree.total_tokens': choose a static or a dynamic "
+                          "tree, not both")
     if inf.verifier.value == "asd" and inf.temperature > 0:
-        raise RecipeError("recipe key 'inference.verifier': asd is defined for greedy decoding only (set inference.temperature=0)")
+        raise RecipeError("recipe key 'inference.verifier': asd is defined for greedy decoding only "
+                          "(set inference.temperature=0)")
     if cfg.drafter.path and _looks_local(cfg.drafter.path) and not Path(cfg.drafter.path).expanduser().is_dir():
         raise RecipeError(f"recipe key 'drafter.path': drafter folder {cfg.drafter.path!r} does not exist")
     _check_training(cfg)
@@ -574,7 +582,8 @@ def _check_training(cfg: DictConfig) -> None:
         if not ok:
             raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
     if dr.eagle.aux_layer_ids and len(dr.eagle.aux_layer_ids) != 3:
-        raise RecipeError(f"recipe key 'drafter.eagle.aux_layer_ids' needs three layer ids (low, middle, high), got {list(dr.eagle.aux_layer_ids)}")
+        raise RecipeError("recipe key 'drafter.eagle.aux_layer_ids' needs three layer ids (low, middle, high), got "
+                          f"{list(dr.eagle.aux_layer_ids)}")
     if t.warm_start and not Path(t.warm_start).expanduser().is_dir():
         raise RecipeError(f"recipe key 'train.warm_start': checkpoint folder {t.warm_start!r} does not exist")
     _check_eval(cfg)
@@ -584,7 +593,8 @@ def _check_eval(cfg: DictConfig) -> None:
     e, kind, inf = cfg.eval, cfg.drafter.kind.value, cfg.inference
     checks = {"eval.num_prompts": (e.num_prompts >= 1, ">= 1"), "eval.max_new_tokens": (e.max_new_tokens >= 1, ">= 1"),
               "eval.sets": (len(e.sets) >= 1, "a non-empty list"), "eval.verifiers": (len(e.verifiers) >= 1, "a non-empty list"),
-              "eval.temperatures": (len(e.temperatures) >= 1 and all(x >= 0 for x in e.temperatures), "a non-empty list of values >= 0"),
+              "eval.temperatures": (len(e.temperatures) >= 1 and all(x >= 0 for x in e.temperatures),
+                                    "a non-empty list of values >= 0"),
               "eval.k_sweep": (all(k >= 1 for k in e.k_sweep), "a list of values >= 1"),
               "eval.asd_sweep": (all(len(s) == 3 and s[0] >= 0 and s[1] >= 0 and s[2] >= 1 for s in e.asd_sweep),
                                  "a list of [budget >= 0, gate >= 0, max_mismatches >= 1]")}
@@ -597,7 +607,8 @@ def _check_eval(cfg: DictConfig) -> None:
                               "nor an existing JSONL file or datasets folder")
     verifiers = {v.value for v in e.verifiers}
     if "tree" in verifiers and not (inf.tree or inf.dynamic_tree.total_tokens):
-        raise RecipeError("recipe key 'eval.verifiers': tree needs inference.tree (static) or inference.dynamic_tree.total_tokens")
+        raise RecipeError("recipe key 'eval.verifiers': tree needs inference.tree (static) or "
+                          "inference.dynamic_tree.total_tokens")
     if "typical" in verifiers and (kind != "medusa" or not inf.tree):
         raise RecipeError("recipe key 'eval.verifiers': typical acceptance needs drafter.kind=medusa and a static inference.tree")
 
@@ -623,30 +634,3 @@ def _looks_local(name: str) -> bool:
 
 def save_recipe(cfg: DictConfig, folder: str | os.PathLike) -> Path:
     return atomic_write_text(Path(folder) / "recipe.yaml", OmegaConf.to_yaml(cfg))
-
-
-def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> None:
-    """Entry point shared by the launch scripts: `script.py RECIPE [key=value ...] [--print-config]`.
-
-    Prints the resolved recipe, runs `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on
-    stderr and a non-zero exit status (1 for bad input, 130 for an interrupt).
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    argv = [a for a in argv if not a.startswith("--local_rank")]  # added by the `deepspeed` launcher
-    print_only = "--print-config" in argv
-    args = [a for a in argv if a != "--print-config"]
-    if not args or args[0].startswith("-") or "=" in args[0]:
-        prog = Path(sys.argv[0]).name
-        sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...] [--print-config]")
-    try:
-        cfg = load_recipe(args[0], args[1:])
-        if os.environ.get("RANK", "0") == "0":  # one copy of the recipe under a multi-rank launcher
-            print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
-        if print_only:
-            return
-        main(cfg)
-    except SpecdrafterError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted: finished shards are kept; rerun the same command to resume", file=sys.stderr)
-        sys.exit(130)

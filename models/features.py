@@ -13,7 +13,7 @@ from typing import Dict, Iterator, Sequence
 import torch
 from torch import nn
 
-from data.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError
 
 
 def check_layer_ids(model: nn.Module, layer_ids: Sequence[int], key: str) -> None:

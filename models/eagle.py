@@ -1,0 +1,265 @@
+"""EAGLE draft heads (docs/algorithms.md §EAGLE): the EAGLE-3 head, the EAGLE-1 head, their configs and folders.
+
+The EAGLE-3 head reads target features — the inputs to three target layers (low, middle, high), concatenated and
+fused by `fc` (3·d_t → d) — and, for each position t, the embedding of the next token x_{t+1}; its one decoder
+layer attends over concat(norm(embedding), norm(hidden)) and its output hidden state predicts x_{t+2} through
+`norm` and a pruned `lm_head` over the draft vocabulary (target id = i + d2t[i]). Later draft steps feed the
+head's own output hidden state instead of the target's feature.
+
+The module's parameter names are the SGLang / vLLM "HF-style" EAGLE-3 names (docs/formats.md §EAGLE-3), so a
+checkpoint folder is config.json + model.safetensors that those engines load unchanged. The head borrows the
+target's token embedding at run time; it is not part of the checkpoint. Training (train/) and decoding
+(inference/) both import the heads from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from specdrafter.core.io import SpecdrafterError, read_safetensors, save_config_and_weights
+
+KV = Tuple[torch.Tensor, torch.Tensor]
+
+
+class EagleAttention(nn.Module):
+    """Llama attention whose q/k/v read `input_size` features (2·d for EAGLE-3). Keys and values come from the
+    cache (decoding) and/or `prev_kv`, earlier training-time-test steps laid out before this call's own."""
+
+    def __init__(self, config: LlamaConfig, input_size: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, position_embeddings: KV, mask: Optional[torch.Tensor],
+                cache: Optional[DynamicCache] = None, prev_kv: Sequence[KV] = ()) -> Tuple[torch.Tensor, KV]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, hd]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        own = (k, v)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)  # [B, kvh, S, hd] the cached past followed by this call's keys
+        if prev_kv:
+            k = torch.cat([p[0] for p in prev_kv] + [k], dim=2)  # [B, kvh, S, hd]
+            v = torch.cat([p[1] for p in prev_kv] + [v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)  # [B, h, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), own
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(d, eps)  # normalises the token embedding
+        self.hidden_norm = LlamaRMSNorm(d, eps)  # normalises the fused feature / previous draft hidden state
+        self.self_attn = EagleAttention(config, 2 * d)
+        self.post_attention_layernorm = LlamaRMSNorm(d, eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, embeds, position_embeddings, mask, cache=None, prev_kv=()):
+        residual = hidden  # the residual stream is the un-normalised hidden state (EAGLE-3, SGLang)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2d]
+        attn, kv = self.self_attn(x, position_embeddings, mask, cache, prev_kv)
+        hidden = residual + attn  # [B, T, d]
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, kv
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        target_d = getattr(config, "target_hidden_size", None) or d
+        self.fc = nn.Linear(3 * target_d, d, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(d, config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    @property
+    def aux_layer_ids(self) -> List[int]:
+        return list(self.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target token id of each draft-vocabulary entry, [Vd]."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def fuse(self, features: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """Concatenate the aux-layer features (low, middle, high) and project them: [..., 3·d_t] → [..., d]."""
+        return self.fc(torch.cat([features[k] for k in self.aux_layer_ids], dim=-1))
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None,
+                prev_kv: Sequence[KV] = ()) -> Tuple[torch.Tensor, KV]:
+        """hidden [B, T, d] (fused target features or the head's own outputs), embeds [B, T, d] of the next
+        tokens, position_ids [B, T]; mask: bool [B or 1, 1, T, S], True = may attend. Returns the output hidden
+        state [B, T, d] (pre-norm; fed back at the next draft step) and this call's (keys, values)."""
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(hidden, embeds, position_embeddings, mask, cache, prev_kv)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # [..., Vd]
+
+
+def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size: int) -> LlamaConfig:
+    """The head's config: one decoder layer with the target's dimensions, in the layout engines load."""
+    t = target_config
+    return LlamaConfig(
+        architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        hidden_act=t.hidden_act, rms_norm_eps=t.rms_norm_eps, rope_parameters=t.rope_parameters,
+        max_position_embeddings=t.max_position_embeddings,  # copy the target's: a smaller one collapses acceptance
+        attention_bias=getattr(t, "attention_bias", False), vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size,
+        target_hidden_size=t.hidden_size, tie_word_embeddings=False, bos_token_id=t.bos_token_id,
+        eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None),
+        eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True,
+                      "aux_layer_id_convention": "input"},  # id k = input to target layer k (vLLM's reading)
+    )
+
+
+def save_eagle3(head: nn.Module, folder: str | Path) -> Path:
+    """Write an EAGLE-3 (or EAGLE-1) head's config.json + model.safetensors atomically (temp folder, rename)."""
+    return save_config_and_weights(head, folder)
+
+
+def load_eagle3(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    return _load_head(folder, dtype, "Eagle3", Eagle3Head, "EAGLE-3 head")
+
+
+def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle1Head":
+    return _load_head(folder, dtype, EAGLE1_ARCH, Eagle1Head, "EAGLE-1 head")
+
+
+def _load_head(folder, dtype, arch: str, cls, what: str):
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: no such folder")
+    try:
+        config = LlamaConfig.from_pretrained(folder)
+        weights = read_safetensors(folder / "model.safetensors")  # a damaged file: one line naming it
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: {str(e).splitlines()[0]}") from None
+    if arch not in "".join(config.architectures or []):
+        raise SpecdrafterError(f"{str(folder)!r} is not an {what} checkpoint (architectures: {config.architectures})")
+    head = cls(config)
+    try:
+        head.load_state_dict(full_vocab_maps(head, weights) if cls is Eagle3Head else weights)
+    except RuntimeError as e:  # weights of another layout or shape than its config.json describes
+        raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit an {what} of its config.json: "
+                               f"{' '.join(str(e).split())[:200]}") from None
+    return head.to(dtype).eval()
+
+
+def full_vocab_maps(head: Eagle3Head, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A full-vocabulary head exported without d2t / t2d (engines refuse them when Vd = V) gets the identity maps:
+    d2t all zeros [V], t2d all true [V]."""
+    if head.config.draft_vocab_size != head.config.vocab_size:
+        return weights
+    identity = {"d2t": torch.zeros_like(head.d2t), "t2d": torch.ones_like(head.t2d)}
+    return {**identity, **weights}
+
+
+def check_aux_order(ids: Sequence[int], where: str, fix: str = "list three distinct ids, low to high") -> None:
+    """EAGLE-3 aux-layer ids must be distinct and increasing: the engines capture each layer once, in layer order, so
+    `fc` must have been trained on the features in that order (unsorted ids: another order, no error; a repeated
+    id: fc gets too few inputs and the engine crashes)."""
+    ids = list(ids)
+    if ids != sorted(set(ids)):
+        what = "repeat a layer" if len(set(ids)) < len(ids) else "are not in increasing order"
+        raise SpecdrafterError(f"{where} = {ids} {what}: engines capture each aux layer once, in layer order, so the "
+                               f"head's fc would read other features than in training; {fix}")
+
+
+# ---------------------------------------------------------------------------------------------- EAGLE-1
+EAGLE1_ARCH = "LlamaForCausalLMEagle"  # SGLang's EAGLE(-1/-2) head class
+
+
+class Eagle1Head(nn.Module):
+    """EAGLE-1 (docs/algorithms.md §EAGLE): fc(concat(feature f_t, embedding of x_{t+1})) → one Llama decoder layer
+    → f̂_{t+1}, the predicted next feature (the target's last-layer output, pre-norm); its logits come from the
+    target's own final norm and lm_head, borrowed at run time (`attach`), so the head has the full vocabulary. Later
+    draft steps feed f̂ back as the feature."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.input_layernorm = LlamaRMSNorm(d, eps)
+        self.self_attn = EagleAttention(config, d)
+        self.post_attention_layernorm = LlamaRMSNorm(d, eps)
+        self.mlp = LlamaMLP(config)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.vocab_size, dtype=torch.long))  # full vocabulary: identity
+        self._target_head: Tuple[nn.Module, ...] = ()
+
+    def attach(self, target) -> "Eagle1Head":
+        self._target_head = (target.model.norm, target.lm_head)  # a tuple: not registered, not saved
+        return self
+
+    @property
+    def aux_layer_ids(self) -> List[int]:
+        return [self.config.eagle_config["eagle_aux_hidden_state_layer_ids"][0]]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def fuse(self, features: Dict[int, torch.Tensor]) -> torch.Tensor:
+        return features[self.aux_layer_ids[0]]  # [..., d] the last layer's output is the feature itself
+
+    def forward(self, hidden, embeds, position_ids, mask=None, cache=None, prev_kv=()):
+        x = self.fc(torch.cat([hidden, embeds], dim=-1))  # [B, T, d]
+        attn, kv = self.self_attn(self.input_layernorm(x), self.rotary_emb(x, position_ids), mask, cache, prev_kv)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv  # f̂ [B, T, d]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._target_head:
+            raise SpecdrafterError("an EAGLE-1 head needs its target's norm and lm_head: call head.attach(target)")
+        norm, lm_head = self._target_head
+        return lm_head(norm(hidden).to(lm_head.weight.dtype))  # [..., V]
+
+
+def eagle1_config(target_config) -> LlamaConfig:
+    config = eagle3_config(target_config, [target_config.num_hidden_layers], target_config.vocab_size)
+    config.architectures = [EAGLE1_ARCH]
+    config.draft_vocab_size = None  # the target's lm_head
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [target_config.num_hidden_layers],
+                           "use_aux_hidden_state": False, "aux_layer_id_convention": "input"}
+    return config
+
+
+def check_head_fits(head: nn.Module, target) -> None:
+    t, c = target.config, head.config
+    if c.vocab_size != t.vocab_size:
+        raise SpecdrafterError(f"EAGLE head vocabulary ({c.vocab_size} tokens) differs from the target's ({t.vocab_size} tokens)")
+    trained_for = getattr(c, "target_hidden_size", None) or c.hidden_size  # optional in the engines' configs
+    if trained_for != t.hidden_size:
+        raise SpecdrafterError(f"EAGLE head was trained for hidden size {trained_for}, the target has {t.hidden_size}")
+    if not (getattr(c, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids"):
+        raise SpecdrafterError("EAGLE head config has no eagle_config.eagle_aux_hidden_state_layer_ids: the target "
+                               "layers it reads are unknown")
+    bad = [k for k in head.aux_layer_ids if not 0 <= k <= t.num_hidden_layers]
+    if bad:
+        raise SpecdrafterError(f"EAGLE head reads target layer {bad[0]}, but the target has {t.num_hidden_layers} layers")
