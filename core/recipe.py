@@ -551,7 +551,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise RecipeError(f"recipe key 'target.model': model folder {model!r} does not exist")
 
 
-OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")  # train/objectives.py
+OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")  # train.objective keys; implemented in train/objectives.py
 
 
 def _check_training(cfg: DictConfig) -> None:

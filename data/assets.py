@@ -37,6 +37,7 @@ from specdrafter.core.io import (
     sha256_file,
     temp_dir_beside,
 )
+from specdrafter.data.chat import user_prompt_ids
 
 log = logging.getLogger("specdrafter")
 
@@ -338,8 +339,7 @@ def conversion_check(reference, converted, tokenizer, max_new_tokens: int = 24) 
     """Greedy continuations of a few chat prompts from both models; identical token ids expected."""
     rows = []
     for prompt in CONVERSION_CHECK_PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = torch.tensor([user_prompt_ids(tokenizer, prompt)])  # [1, n]
         outs = [m.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
                 for m in (reference, converted)]
         rows.append({"prompt": prompt, "gguf": outs[0], "converted": outs[1], "same": outs[0] == outs[1],

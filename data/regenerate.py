@@ -47,6 +47,7 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.data.chat import chat_ids, eos_token_ids, user_prompt_ids
 from specdrafter.models.features import capture_features, check_layer_ids
 
 log = logging.getLogger("specdrafter")
@@ -115,14 +116,6 @@ def select_prompts(records: List[dict], tokenizer, cfg: DictConfig, max_prompt_t
 
 
 # ------------------------------------------------------------------------------------------- generation
-def eos_token_ids(model, tokenizer) -> List[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row of logits [B, V]: argmax at temperature 0, else a draw from softmax(logits / T) cut to
@@ -213,12 +206,6 @@ def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_token
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return sample_responses(model, prompts, max_new_tokens, temperature, top_p, batch_size, eos, pad, generator,
                             on_batch)
-
-
-def chat_ids(tokenizer, messages: List[dict], generation_prompt: bool) -> List[int]:
-    """The token ids the target's own chat template lays out for `messages`."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                         return_dict=True)["input_ids"]
 
 
 class HFEngine:
@@ -505,7 +492,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
     layer_ids = list(d.hidden_states.layer_ids)
     check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
 
-    overhead = len(chat_ids(tokenizer, [{"role": "user", "content": ""}], True))
+    overhead = len(user_prompt_ids(tokenizer, ""))
     context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     room = context - d.max_new_tokens - overhead
     if room < max(d.min_prompt_tokens, 1):

@@ -31,6 +31,7 @@ import torch
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_prompt_set
+from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup, tree_predicted_speedup
 from specdrafter.inference.autotune import TreeSizeTuner, step_costs
 from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
@@ -290,8 +291,7 @@ def main(argv=None):
     try:
         cfg = load_recipe(args.recipe, args.overrides)
         target, tokenizer = load_serving_target(cfg)
-        eos = target.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos)
+        eos = eos_token_ids(target, tokenizer)
         arms = build_arms(cfg, args, target, eos)
         unknown = sorted(set(args.arms or []) - {a.name for a in arms})
         if unknown:
@@ -303,8 +303,7 @@ def main(argv=None):
             records, origins = records + chosen, origins + [name] * len(chosen)
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"] for r in records]
+    prompts = [user_prompt_ids(tokenizer, r["turns"][0]) for r in records]
     longest = cfg.inference.k_max if cfg.inference.k == "auto" else cfg.inference.k
     grids = [TreeSizeTuner(a.tree_size - 1).sizes() for a in arms if a.tree_size]  # auto-sized trees: v(n) between
     sizes = sorted({*range(1, longest + 2), *(a.tree_size for a in arms if a.tree_size), *(n for g in grids for n in g)})

@@ -25,7 +25,8 @@ from transformers import GenerationConfig
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
-from specdrafter.data.regenerate import chat_ids, eos_token_ids, generate_responses
+from specdrafter.data.chat import eos_token_ids, user_prompt_ids
+from specdrafter.data.regenerate import generate_responses
 
 
 def hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, batch_size):
@@ -78,7 +79,7 @@ def main(argv=None):
     d = cfg.data
     batch_size = args.batch_size or d.batch_size
     texts = [r["turns"][0] for r in load_prompt_set(d.prompts)[: args.prompts * 4]]
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": t}], True) for t in texts]
+    prompts = [user_prompt_ids(tokenizer, t) for t in texts]
     prompts = [p for p in prompts if len(p) <= d.max_prompt_tokens][: args.prompts]
     generator = torch.Generator().manual_seed(0)
     arms = {

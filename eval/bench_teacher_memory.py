@@ -27,7 +27,6 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     from specdrafter.core.recipe import load_recipe
     from specdrafter.train.batches import Batch
     from specdrafter.train.drafters import build_drafter, needed_layers, run_target
-    from specdrafter.train.loop import prediction_loss
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
@@ -45,7 +44,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     batch = Batch(input_ids, loss_mask, torch.ones(1, tokens, dtype=torch.long), features)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     teacher = run_target(target, batch, layers, drafter.teacher_ids if mode == "draft_vocab" else None)
-    loss = sum(p.weight * prediction_loss(p, cfg.train).total for p in drafter.predictions(drafter.module, batch, teacher))
+    loss = sum(p.loss(cfg.train)[0] for p in drafter.predictions(drafter.module, batch, teacher))
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "loss": round(float(loss), 4), "peak_rise_mib": round((peak - before) / 1024, 1),

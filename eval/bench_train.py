@@ -34,7 +34,6 @@ from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_target
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import build_drafter, needed_layers, run_target
-from specdrafter.train.loop import prediction_loss
 
 
 def main(argv=None):
@@ -81,7 +80,7 @@ def main(argv=None):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):
             out = run_target(target, batch, layers, teacher_ids, t.temperature)
             predictions = drafter.predictions(drafter.module, batch, out)
-        loss = sum(p.weight * prediction_loss(p, t).total for p in predictions)
+        loss = sum(p.loss(t)[0] for p in predictions)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

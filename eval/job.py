@@ -38,7 +38,6 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -46,18 +45,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
     atomic_write_text,
-    check_model_folder,
-    complete_checkpoints,
     first_line,
     json_digest,
     move_aside,
-    read_checkpoint_state,
 )
 from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (
     alpha_per_token,
     best_block_length,
@@ -77,67 +75,22 @@ from specdrafter.inference.sampling import SamplingParams
 log = logging.getLogger("specdrafter")
 
 
-@dataclass
-class Checkpoint:
-    name: str  # e.g. "step-000279"
-    step: Optional[int]
-    drafter: Optional[Path]  # the drafter folder (None: a self-draft, nothing to load)
-
-
 # --------------------------------------------------------------------------------------------- what to evaluate
-def find_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
-    """eval.checkpoint as a list of checkpoints, oldest first: a training checkpoint (…/step-N), a run directory
-    (every complete checkpoint in it), or a bare drafter folder (a checkpoint's drafter/ or an export)."""
+def find_run_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
+    """eval.checkpoint as a list of checkpoints, oldest first (core/checkpoints.py: a training checkpoint, a run
+    directory, or a bare drafter folder); a self-draft needs none."""
     kind, path = cfg.drafter.kind.value, cfg.eval.checkpoint or cfg.drafter.path
     if path is None:
         if kind == "self_draft":
             return [Checkpoint("self_draft", None, None)]
         raise SpecdrafterError("recipe key 'eval.checkpoint' is required: a checkpoint, a drafter folder or a run directory "
                                "(checkpoint=... on the command line)")
-    path = Path(path).expanduser()
-    if path.is_file():
-        raise SpecdrafterError(f"checkpoint {str(path)!r} is a file: expected a checkpoint, a drafter folder or a run "
-                               "directory")
-    if not path.is_dir():
-        raise SpecdrafterError(f"checkpoint {str(path)!r} does not exist")
-    found = _checkpoints_in(path, kind)
-    for c in found:  # a damaged or incomplete drafter folder is one line before any model loads
-        if c.drafter is not None:
-            check_model_folder(c.drafter, "drafter folder")
+    found = find_checkpoints(path)
+    for c in found:
+        if c.state.get("drafter") not in (None, kind):
+            raise SpecdrafterError(f"checkpoint {str(c.drafter.parent)!r} holds a {c.state['drafter']} drafter, but the "
+                                   f"recipe's drafter.kind is {kind}")
     return found
-
-
-def _checkpoints_in(path: Path, kind: str) -> List[Checkpoint]:
-    if (path / "checkpoints").is_dir():
-        found = complete_checkpoints(path / "checkpoints")
-        if not found and (path / "drafter").is_dir():
-            return [_drafter_folder(path / "drafter", kind)]
-        if not found:
-            raise SpecdrafterError(f"run directory {str(path)!r} has no complete checkpoint yet")
-        return [_training_checkpoint(p, kind) for p in found]
-    if (path / "trainer_state.json").is_file():
-        return [_training_checkpoint(path, kind)]
-    if (path / "config.json").is_file():
-        return [_drafter_folder(path, kind)]
-    raise SpecdrafterError(f"{str(path)!r} is not a checkpoint, a drafter folder or a run directory "
-                           "(no trainer_state.json, config.json or checkpoints/ in it)")
-
-
-def _training_checkpoint(folder: Path, kind: str) -> Checkpoint:
-    state = read_checkpoint_state(folder, only=("drafter/",))  # unreadable or damaged: one line naming it
-    if state.get("drafter") not in (None, kind):
-        raise SpecdrafterError(f"checkpoint {str(folder)!r} holds a {state['drafter']} drafter, but the recipe's "
-                               f"drafter.kind is {kind}")
-    if not (folder / "drafter").is_dir() and (folder / "config.json").is_file():  # an export: the drafter at top level
-        return Checkpoint(folder.name, state.get("step"), folder)
-    return Checkpoint(folder.name, state.get("step"), folder / "drafter")
-
-
-def _drafter_folder(folder: Path, kind: str) -> Checkpoint:
-    parent = folder.parent / "trainer_state.json"
-    if folder.name == "drafter" and parent.is_file():  # …/step-N/drafter
-        return _training_checkpoint(folder.parent, kind)
-    return Checkpoint(folder.name if folder.name != "drafter" else folder.parent.name, None, folder)
 
 
 def default_output_dir(cfg: DictConfig, checkpoints: List[Checkpoint]) -> Path:
@@ -218,7 +171,7 @@ class Results:
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate every cell not yet in results.json; write results.json, report.md and the plots. Returns the folder."""
     e = cfg.eval
-    checkpoints = find_checkpoints(cfg)  # bad input is refused before any model loads
+    checkpoints = find_run_checkpoints(cfg)  # bad input is refused before any model loads
     sets = load_sets(e)
     out = default_output_dir(cfg, checkpoints)
     (out / "outputs").mkdir(parents=True, exist_ok=True)
@@ -226,9 +179,8 @@ def run_eval(cfg: DictConfig) -> Path:
     verifiers = [v.value for v in e.verifiers]
     k = cfg.inference.k
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
-    prompts = {name: [_chat(tokenizer, r) for r in records] for name, records in sets.items()}
-    eos = target.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
+    eos = eos_token_ids(target, tokenizer)
 
     plan = _plan(cfg, checkpoints, list(sets), verifiers)
     todo = [p for p in plan if results.cell(p["id"]) is None]
@@ -313,11 +265,6 @@ def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verif
             for setting in [[a.budget, a.gate, a.max_mismatches], *e.asd_sweep]:
                 add(newest, name, 0.0, "asd", asd=[float(setting[0]), float(setting[1]), int(setting[2])])
     return plan
-
-
-def _chat(tokenizer, record: dict) -> List[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
 
 
 def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):

@@ -42,15 +42,13 @@ from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 
+from specdrafter.core.checkpoints import find_checkpoints
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
     atomic_write_text,
-    check_model_folder,
-    complete_checkpoints,
     json_file_problem,
     publish_dir,
-    read_checkpoint_state,
     temp_dir_beside,
 )
 from specdrafter.core.recipe import load_saved_recipe
@@ -97,32 +95,12 @@ class Source:
 
 
 def find_source(path: str | os.PathLike) -> Source:
-    """A checkpoint folder (drafter/, recipe.yaml, trainer_state.json), a run's output_dir (its newest complete
-    checkpoint) or a bare drafter folder (config.json + weights)."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise SpecdrafterError(f"checkpoint {str(path)!r} not found")
-    if (path / "checkpoints").is_dir() and complete_checkpoints(path / "checkpoints"):
-        path = complete_checkpoints(path / "checkpoints")[-1]  # a run: its newest complete checkpoint
-    elif (path / "config.json").is_file() and (path.parent / "trainer_state.json").is_file():
-        path = path.parent  # a checkpoint's drafter/ folder: the checkpoint knows its step and recipe
-    if (path / "trainer_state.json").is_file():
-        state = read_checkpoint_state(path, only=("drafter/", "recipe.yaml"))  # damaged: one line naming the file
-        drafter, run = path / "drafter", path.parent.parent
-    elif (path / "drafter" / "config.json").is_file():  # a run whose checkpoints were removed
-        state, drafter, run = {}, path / "drafter", path
-    elif (path / "config.json").is_file():
-        state, drafter, run = {}, path, path.parent
-        path = path.parent  # its recipe, if any, lies beside it
-    else:
-        raise SpecdrafterError(f"{str(path)!r} is not a drafter checkpoint: expected a checkpoint folder (drafter/, "
-                               "trainer_state.json), a run's output_dir (checkpoints/) or a drafter folder (config.json)")
-    if not (drafter / "config.json").is_file():
-        raise SpecdrafterError(f"{str(path)!r} has no drafter/config.json: the checkpoint is incomplete")
-    check_model_folder(drafter, "drafter folder")
-    recipe = load_saved_recipe(path / "recipe.yaml") if (path / "recipe.yaml").is_file() else None
-    results = run / "eval" / "results.json"
-    return Source(drafter, state.get("drafter") or drafter_kind(drafter), recipe, state,
+    """The newest checkpoint at `path` (core/checkpoints.py: a checkpoint folder, a run's output_dir or a bare
+    drafter folder), with the recipe and evaluation results the run left beside it."""
+    newest = find_checkpoints(path)[-1]
+    recipe = load_saved_recipe(newest.recipe) if newest.recipe is not None else None
+    results = newest.run / "eval" / "results.json"
+    return Source(newest.drafter, newest.state.get("drafter") or drafter_kind(newest.drafter), recipe, newest.state,
                   results if results.is_file() and json_file_problem(results) is None else None)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import ASDConfig
 from specdrafter.inference.autotune import BlockLengthTuner
 from specdrafter.inference.proposers import Proposer, TreeProposer
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
@@ -60,11 +61,7 @@ class GenerationResult:
         return sum(c.accepted for c in self.cycles) / max(sum(c.drafted for c in self.cycles), 1)
 
 
-@dataclass(frozen=True)
-class ASDSettings:
-    budget: float = 8.0
-    gate: float = 0.25
-    max_mismatches: int = 2
+ASDSettings = ASDConfig  # the recipe's inference.asd (budget, gate, max_mismatches): its defaults are the schema's
 
 
 @torch.no_grad()

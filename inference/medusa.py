@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import TypicalConfig
 from specdrafter.inference.decode import GenerationResult, TreeAcceptance, tree_speculative_generate
 from specdrafter.inference.proposers import Proposal
 from specdrafter.inference.sampling import SamplingParams, sample, sampling_probs
@@ -109,7 +110,8 @@ def typical_acceptance(paths: list[list[int]], temperature: float, eps: float, d
 
 
 def typical_generate(target: nn.Module, proposer: MedusaTreeProposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                     temperature: float, eps: float = 0.09, delta: float = 0.3, eos_token_ids: Sequence[int] = (),
+                     temperature: float, eps: float = TypicalConfig.eps, delta: float = TypicalConfig.delta,
+                     eos_token_ids: Sequence[int] = (),
                      generator: torch.Generator | None = None) -> GenerationResult:
     """Medusa's typical-acceptance decoding (lossy, docs/algorithms.md §Medusa): the tree loop with
     `typical_acceptance` in place of exact verification. At temperature 0 a token is typical iff it is the argmax,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from specdrafter.core.io import SpecdrafterError, check_model_folder
 from specdrafter.data.assets import load_target
+from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner
 from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
@@ -156,10 +157,8 @@ def decode(cfg: DictConfig) -> DecodeReport:
         raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
     target, tokenizer = load_serving_target(cfg)
     proposer = build_proposer(cfg, target)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": inf.prompt}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"]
-    eos = target.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    prompt = user_prompt_ids(tokenizer, inf.prompt)
+    eos = eos_token_ids(target, tokenizer)
     generator = torch.Generator().manual_seed(inf.seed)
     start = time.perf_counter()
     if inf.verifier.value == "typical":

@@ -17,7 +17,7 @@ from specdrafter.core.io import SpecdrafterError, check_model_folder, write_chec
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.regenerate import load_generated, write_shard
-from specdrafter.eval.job import Results, find_checkpoints
+from specdrafter.eval.job import Results, find_run_checkpoints
 from specdrafter.export.formats import find_source
 from specdrafter.inference.run import check_drafter_folder
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle1, load_eagle3, save_eagle3
@@ -134,19 +134,19 @@ def test_a_checkpoints_drafter_is_checked_against_the_recorded_checksums(checkpo
         find_source(checkpoint)  # export
     cfg = load_recipe(REPO / "recipes" / "smollm2-135m-eagle3.yaml", ["output_dir=x", f"eval.checkpoint={checkpoint}"])
     with pytest.raises(SpecdrafterError, match=f"is damaged: {name} does not match its checksum"):
-        find_checkpoints(cfg)  # eval
+        find_run_checkpoints(cfg)  # eval
 
 
 def test_an_intact_checkpoint_and_an_export_load(checkpoint, tmp_path):
     state = find_source(checkpoint).state  # export: the state without its checksums
     assert state == {"step": 4, "tokens": 100, "drafter": "eagle3", "metrics": {}}
     cfg = load_recipe(REPO / "recipes" / "smollm2-135m-eagle3.yaml", ["output_dir=x", f"eval.checkpoint={checkpoint}"])
-    assert [c.drafter for c in find_checkpoints(cfg)] == [checkpoint / "drafter"]
+    assert [c.drafter for c in find_run_checkpoints(cfg)] == [checkpoint / "drafter"]
     export = tmp_path / "export"  # an export: the drafter at top level beside trainer_state.json
     shutil.copytree(checkpoint / "drafter", export)
     (export / "trainer_state.json").write_text(json.dumps({"step": 4, "drafter": "eagle3"}))
     cfg.eval.checkpoint = str(export)
-    assert [c.drafter for c in find_checkpoints(cfg)] == [export]
+    assert [c.drafter for c in find_run_checkpoints(cfg)] == [export]
 
 
 def test_a_damaged_target_folder_is_one_line(tmp_path, tiny_target):

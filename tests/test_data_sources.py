@@ -12,7 +12,8 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from specdrafter.core.recipe import load_recipe
-from specdrafter.data.regenerate import chat_ids, generate_dataset, generate_responses, load_generated, sample_tokens
+from specdrafter.data.chat import chat_ids
+from specdrafter.data.regenerate import generate_dataset, generate_responses, load_generated, sample_tokens
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +174,6 @@ def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smoll
     offline features line up with the rows, and one optimizer step's loss is finite."""
     from specdrafter.train.batches import TrainingData
     from specdrafter.train.drafters import build_drafter, needed_layers, run_target
-    from specdrafter.train.loop import prediction_loss
 
     prompts = write_jsonl(tmp_path / "chat.jsonl", chat_rows(10))
     data = tmp_path / "data"
@@ -200,6 +200,6 @@ def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smoll
         torch.testing.assert_close(batch.features[1][real], full.hidden_states[1][real], atol=1e-4, rtol=1e-4)
     predictions = drafter.predictions(drafter.module, batch, run_target(target, batch, layers))
     assert len(predictions[0].draft_logits) == int(batch.loss_mask[:, 1 if kind == "draft_model" else 2:].sum())
-    loss = sum(p.weight * prediction_loss(p, cfg.train).total for p in predictions)
+    loss = sum(p.loss(cfg.train)[0] for p in predictions)
     loss.backward()
     assert torch.isfinite(loss) and any(q.grad is not None for q in drafter.module.parameters())

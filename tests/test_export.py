@@ -491,10 +491,10 @@ def test_a_token_in_the_recipe_stops_the_export(tmp_path, checkpoint):
 # ------------------------------------------------------------------------------------------------ bad input
 def test_bad_input_is_refused_in_one_line(tmp_path, checkpoint):
     _, eagle, _ = checkpoint("eagle3")
-    with pytest.raises(SpecdrafterError, match="checkpoint .*nowhere.* not found"):
+    with pytest.raises(SpecdrafterError, match="checkpoint .*nowhere.* does not exist"):
         export(tmp_path / "nowhere", "vllm", tmp_path / "o")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SpecdrafterError, match="is not a drafter checkpoint"):
+    with pytest.raises(SpecdrafterError, match="is not a checkpoint, a drafter folder or a run directory"):
         export(tmp_path / "empty", "vllm", tmp_path / "o")
     with pytest.raises(SpecdrafterError, match="--format medusa exports Medusa heads, but .* holds an EAGLE-3 head "
                                                r"\(drafter kind eagle3\); use --format vllm or sglang or speculators"):

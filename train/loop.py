@@ -1,7 +1,12 @@
 """The training loop under DeepSpeed, for every drafter kind.
 
-    setup → data → drafter → deepspeed.initialize → (resume) → for each step: target pass, drafter
-    predictions, loss, backward, step → held-out metrics and checkpoints every N steps
+    train(cfg):  setup(cfg) → Run          the target, the data, the drafter under DeepSpeed, a checkpoint to resume
+                 train_step(run, step)      grad_accum micro-batches: target pass, predictions, loss, backward, step
+                 evaluate(...)              held-out metrics every train.eval_every steps
+                 checkpoint(run, bar)       every train.save_every steps (+ a decode check through the real loop)
+                 finish(run)                publish <output_dir>/drafter
+
+The loss of a micro-batch is `micro_batch_loss` → `Prediction.loss` (train/drafters.py) → train/objectives.py.
 
 Launch with `deepspeed [--num_accelerators 2] launch/train_eagle.py RECIPE key=value ...` (on CPU with
 DS_ACCELERATOR=cpu; gloo) or `python launch/train_eagle.py ...` for one process. Rerunning the same command
@@ -46,12 +51,12 @@ from specdrafter.core.io import (  # noqa: E402
 )
 from specdrafter.core.recipe import load_saved_recipe  # noqa: E402
 from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
+from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
 from specdrafter.inference.decode import speculative_generate  # noqa: E402
 from specdrafter.inference.run import block_length, build_proposer, serving_model  # noqa: E402
 from specdrafter.inference.sampling import SamplingParams  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
-from specdrafter.train.objectives import distill_loss  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -110,29 +115,22 @@ def autocast(t: DictConfig, device: torch.device):
 
 
 # ------------------------------------------------------------------------------------------ objectives
-def prediction_loss(p: Prediction, t: DictConfig):
-    sliced = p.draft_ids is None or p.target_lse is not None  # target rows already in the draft's vocabulary
-    target = p.target_logits if sliced else p.target_logits[:, p.draft_ids]  # [N, Vd]
-    mask = torch.ones(len(target), dtype=torch.bool, device=target.device) if p.trained is None else p.trained  # [N]
-    return distill_loss(target, p.draft_logits, mask, dict(t.objective) or {"soft_ce": 1.0}, t.temperature, t.jsd_beta)
-
-
 @torch.no_grad()
-def acceptance_sums(p: Prediction, temperature: float) -> torch.Tensor:
+def acceptance_sums(pred: Prediction, temperature: float) -> torch.Tensor:
     """[Σ α̂, Σ top-1 agreement, count] over the masked positions. α̂ = Σ_v min(p(v), q(v)) at the serving
     temperature: the chance that exact speculative sampling accepts the drafted token there (= 1 − D_TV)."""
-    q = torch.softmax(p.draft_logits.float() / temperature, -1)  # [N, Vd]
-    draft_top = p.draft_logits.argmax(-1)  # [N]
-    if p.target_lse is not None:  # draft-vocabulary target rows + the full vocabulary's normaliser
-        target = torch.exp(p.target_logits / temperature - p.target_lse[:, None])  # [N, Vd] full-vocabulary p of draft tokens
-        top1 = (p.trained & (draft_top == p.target_logits.argmax(-1))).float()  # [N] trained: the target's top is a draft token
+    q = torch.softmax(pred.draft_logits.float() / temperature, -1)  # [N, Vd]
+    draft_top = pred.draft_logits.argmax(-1)  # [N]
+    if pred.target_lse is not None:  # draft-vocabulary target rows + the full vocabulary's normaliser
+        p = torch.exp(pred.target_logits / temperature - pred.target_lse[:, None])  # [N, Vd] full-vocabulary p(draft tokens)
+        top1 = (pred.trained & (draft_top == pred.target_logits.argmax(-1))).float()  # [N] the target's top is a draft token
     else:
-        target = torch.softmax(p.target_logits / temperature, -1)  # [N, V]
-        if p.draft_ids is not None:
-            target = target[:, p.draft_ids]  # q is zero outside the draft vocabulary
-            draft_top = p.draft_ids[draft_top]
-        top1 = (draft_top == p.target_logits.argmax(-1)).float()  # [N]
-    alpha = torch.minimum(target, q).sum(-1)  # [N]
+        p = torch.softmax(pred.target_logits / temperature, -1)  # [N, V]
+        if pred.draft_ids is not None:
+            p = p[:, pred.draft_ids]  # q is zero outside the draft vocabulary
+            draft_top = pred.draft_ids[draft_top]
+        top1 = (draft_top == pred.target_logits.argmax(-1)).float()  # [N]
+    alpha = torch.minimum(p, q).sum(-1)  # [N]
     return torch.stack([alpha.sum(), top1.sum(), torch.tensor(float(len(alpha)), device=alpha.device)])
 
 
@@ -195,16 +193,65 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------------------------- train
+@dataclass
+class Run:
+    """Everything one training run holds between its steps (what `setup` builds)."""
+    cfg: DictConfig
+    rank: int
+    world: int
+    out: Path  # output_dir
+    device: torch.device
+    target: torch.nn.Module
+    tokenizer: object
+    layers: List[int]  # target layers the drafter reads
+    data: TrainingData
+    drafter: object  # train/drafters.py: one of DRAFTERS
+    engine: object  # the DeepSpeed engine around drafter.module
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    per_epoch: int  # micro-batches per rank per epoch
+    total: int  # optimizer steps of the whole run
+    progress: Progress
+    last_good: Optional[Path]  # the newest complete checkpoint
+    logger: Optional["WandbLogger"]
+    started: tuple = (0.0, 0)  # (perf_counter, tokens) when this process began training: its tokens/s
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
+
+
 def train(cfg: DictConfig) -> Dict[str, float]:
+    """Train the recipe's drafter to the end (resuming from the newest complete checkpoint); the last held-out metrics."""
+    run = setup(cfg)
+    bar = tqdm(total=run.total, initial=run.progress.step, disable=run.rank != 0, desc=f"train {run.drafter.kind}",
+               unit="step")
+    for step in range(run.progress.step, run.total):
+        record = train_step(run, step)
+        if run.progress.step % cfg.train.eval_every == 0 or run.progress.step == run.total:
+            run.progress.last_metrics = evaluate(run.engine, run.drafter, run.data, run.target, run.layers, cfg.train,
+                                                 run.rank, run.world, run.device)
+            record.update(run.progress.last_metrics)
+            write_metrics(run, record)
+        if run.logger:
+            run.logger.log(record)
+        bar.set_postfix(_postfix(record, run.progress.last_metrics))
+        bar.update(1)
+        if run.progress.step % cfg.train.save_every == 0 or run.progress.step == run.total:
+            checkpoint(run, bar)
+    bar.close()
+    return finish(run)
+
+
+def setup(cfg: DictConfig) -> Run:
+    """The process group, the target, the data, the drafter under DeepSpeed, and the state of a checkpoint to resume."""
     t = cfg.train
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     out = Path(cfg.output_dir).expanduser()
-    root = out / "checkpoints"
     if not t.data_dir:
         raise SpecdrafterError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
 
-    resume = resume_checkpoint(root, rank, world)
+    resume = resume_checkpoint(out / "checkpoints", rank, world)
     if resume is not None:
         differences = recipe_differences(load_saved_recipe(resume / "recipe.yaml"), cfg)
         if differences:
@@ -223,7 +270,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
                         layers if t.features.value == "offline" else (), t.data_tokens)
     drafter = build_drafter(cfg, target, data, tokenizer)
 
-    per_epoch = len(data.train) // (t.micro_batch_size * world)  # micro-batches per rank per epoch
+    per_epoch = len(data.train) // (t.micro_batch_size * world)
     if per_epoch < t.grad_accum:
         raise SpecdrafterError(f"{len(data.train)} training conversations make less than one optimizer step of "
                                f"{t.micro_batch_size} × {t.grad_accum} × {world} ranks; lower train.micro_batch_size or "
@@ -249,65 +296,71 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "recipe.yaml", OmegaConf.to_yaml(cfg))
-    logger = WandbLogger(cfg, out) if rank == 0 else None
+    return Run(cfg, rank, world, out, device, target, tokenizer, layers, data, drafter, engine, scheduler, per_epoch,
+               total, progress, resume, WandbLogger(cfg, out) if rank == 0 else None,
+               (time.perf_counter(), progress.tokens))
 
-    bar = tqdm(total=total, initial=progress.step, disable=rank != 0, desc=f"train {drafter.kind}", unit="step")
-    start_time, start_tokens = time.perf_counter(), progress.tokens
-    last_good = resume
-    for step in range(progress.step, total):
-        parts: Dict[str, float] = {}
-        total_loss = 0.0
-        for micro in range(t.grad_accum):
-            g = step * t.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed
-            epoch, i = divmod(g, per_epoch)
-            order = data.epoch_order(epoch, t.micro_batch_size * world if t.group_by_length else 1)
-            start = (i * world + rank) * t.micro_batch_size
-            batch = data.batch(order[start:start + t.micro_batch_size]).to(device)
-            loss, totals = micro_batch_loss(drafter, engine, target, batch, layers, t, device)
-            for name, value in totals.items():
-                parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + float(value.detach()) / t.grad_accum
-            if not _all_finite(loss, device):
-                raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
-                                       f"checkpoint is {last_good or 'none (no checkpoint was written yet)'}")
-            total_loss += float(loss.detach()) / t.grad_accum
-            engine.backward(loss)
-            engine.step()
-            progress.tokens += batch.num_tokens
-        progress.step = step + 1
-        elapsed = time.perf_counter() - start_time
-        speed = (progress.tokens - start_tokens) * world / max(elapsed, 1e-9)
-        record = {"step": progress.step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": speed,
-                  "loss": total_loss, **parts}
-        if progress.step % t.eval_every == 0 or progress.step == total:
-            progress.last_metrics = evaluate(engine, drafter, data, target, layers, t, rank, world, device)
-            record.update(progress.last_metrics)
-            if rank == 0:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-        if logger:
-            logger.log(record)
-        bar.set_postfix(_postfix(record, progress.last_metrics))
-        bar.update(1)
-        if progress.step % t.save_every == 0 or progress.step == total:
-            last_good = save_checkpoint(engine, drafter, cfg, root, progress, tokenizer, rank)
-            saves = progress.step // t.save_every
-            if rank == 0 and t.decode_check_every and (saves % t.decode_check_every == 0 or progress.step == total):
-                check = {"step": progress.step, **decode_check(cfg, last_good / "drafter", target, tokenizer)}
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(check) + "\n")
-                if logger:
-                    logger.log(check)
-                bar.write(f"step {progress.step}: through the decoding loop τ = {check['decode/tau']:.2f}, "
-                          f"α = {check['decode/alpha']:.3f}")
-    bar.close()
-    if rank == 0 and last_good is not None:  # a stable path to the newest drafter: <output_dir>/drafter
-        tmp = temp_dir_beside(out / "drafter")
-        shutil.copytree(last_good / "drafter", tmp, dirs_exist_ok=True)
-        publish_dir(tmp, out / "drafter")
-        log.info(f"drafter of step {progress.step}: {out / 'drafter'}")
-    if logger:
-        logger.finish()
-    return progress.last_metrics or {}
+
+def train_step(run: Run, step: int) -> Dict[str, float]:
+    """One optimizer step: grad_accum micro-batches of this rank's share of the data (fixed by the global micro-batch
+    counter, so a resumed run reads what an uninterrupted one would). Returns the step's record for the logs."""
+    t = run.cfg.train
+    parts: Dict[str, float] = {}
+    total_loss = 0.0
+    for micro in range(t.grad_accum):
+        g = step * t.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed
+        epoch, i = divmod(g, run.per_epoch)
+        order = run.data.epoch_order(epoch, t.micro_batch_size * run.world if t.group_by_length else 1)
+        start = (i * run.world + run.rank) * t.micro_batch_size
+        batch = run.data.batch(order[start:start + t.micro_batch_size]).to(run.device)
+        loss, totals = micro_batch_loss(run.drafter, run.engine, run.target, batch, run.layers, t, run.device)
+        for name, value in totals.items():
+            parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + float(value.detach()) / t.grad_accum
+        if not _all_finite(loss, run.device):
+            raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
+                                   f"checkpoint is {run.last_good or 'none (no checkpoint was written yet)'}")
+        total_loss += float(loss.detach()) / t.grad_accum
+        run.engine.backward(loss)
+        run.engine.step()
+        run.progress.tokens += batch.num_tokens
+    run.progress.step = step + 1
+    began, tokens_then = run.started
+    speed = (run.progress.tokens - tokens_then) * run.world / max(time.perf_counter() - began, 1e-9)
+    return {"step": run.progress.step, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": speed,
+            "loss": total_loss, **parts}
+
+
+def write_metrics(run: Run, record: dict) -> None:
+    if run.rank == 0:
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def checkpoint(run: Run, bar) -> None:
+    """Save a checkpoint; every `decode_check_every` saves (and at the end), decode with it through the real loop."""
+    t = run.cfg.train
+    run.last_good = save_checkpoint(run.engine, run.drafter, run.cfg, run.checkpoints, run.progress, run.tokenizer,
+                                    run.rank)
+    saves = run.progress.step // t.save_every
+    if run.rank == 0 and t.decode_check_every and (saves % t.decode_check_every == 0 or run.progress.step == run.total):
+        check = {"step": run.progress.step, **decode_check(run.cfg, run.last_good / "drafter", run.target, run.tokenizer)}
+        write_metrics(run, check)
+        if run.logger:
+            run.logger.log(check)
+        bar.write(f"step {run.progress.step}: through the decoding loop τ = {check['decode/tau']:.2f}, "
+                  f"α = {check['decode/alpha']:.3f}")
+
+
+def finish(run: Run) -> Dict[str, float]:
+    """Publish the newest drafter at <output_dir>/drafter (a stable path) and close the logger."""
+    if run.rank == 0 and run.last_good is not None:
+        tmp = temp_dir_beside(run.out / "drafter")
+        shutil.copytree(run.last_good / "drafter", tmp, dirs_exist_ok=True)
+        publish_dir(tmp, run.out / "drafter")
+        log.info(f"drafter of step {run.progress.step}: {run.out / 'drafter'}")
+    if run.logger:
+        run.logger.finish()
+    return run.progress.last_metrics or {}
 
 
 @torch.no_grad()
@@ -321,13 +374,11 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     for name in ("model", "head", "heads"):  # the drafter beside the target, wherever the target runs
         if isinstance(getattr(proposer, name, None), torch.nn.Module):
             getattr(proposer, name).to(device=target.device, dtype=target.dtype)
-    eos = target.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    eos = eos_token_ids(target, tokenizer)
     tokens = passes = accepted = drafted = 0
     k = block_length(c.inference)
     for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, 2)]:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = user_prompt_ids(tokenizer, record["turns"][0])
         r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), k, eos)
         tokens, passes = tokens + len(r.tokens), passes + len(r.cycles)
         accepted, drafted = accepted + sum(x.accepted for x in r.cycles), drafted + sum(x.drafted for x in r.cycles)
@@ -341,9 +392,9 @@ def micro_batch_loss(drafter, engine, target, batch, layers, t: DictConfig, devi
         target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
         predictions = drafter.predictions(engine.module, batch, target_out)
     loss, totals = 0.0, {}
-    for p in predictions:
-        totals[p.name] = prediction_loss(p, t).total
-        loss = loss + p.weight * totals[p.name] + (p.feature_loss if p.feature_loss is not None else 0.0)
+    for pred in predictions:
+        share, totals[pred.name] = pred.loss(t)  # train/drafters.py:Prediction.loss
+        loss = loss + share
     return loss, totals
 
 
