@@ -32,6 +32,16 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
+@pytest.fixture
+def one_thread():
+    """For tests made of many small forward passes (sampling loops, tiny-model training, short generations): one
+    intra-op thread; several only fight over busy cores and make such a test many times slower. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def assert_first_two_tokens_follow(target, prompt, counts, n: int, level: float = 1e-4) -> None:
     """χ² test (at `level`) of `counts` of the first two emitted tokens over n runs against the target's own
     sampling distribution p(a | prompt) · p(b | prompt, a) at temperature 1."""

@@ -1,6 +1,8 @@
 """EAGLE-1 head: greedy decoding through its chain and tree proposers is token-identical to target.generate,
-its drafts come from the target's own norm + lm_head on the predicted feature, checkpoints round-trip, and a
-few training steps lower its loss (feature regression + 0.1 · objective)."""
+its drafts come from the target's own norm + lm_head on the predicted feature, and checkpoints round-trip.
+Training (a few steps of the project's loop lower its loss, feature regression + ce_weight · objective, and the saved
+head decodes like the target) is tested with the other drafters' training, on their shared data: tests/test_train.py,
+test_eagle1_trains_its_loss_falls_and_the_saved_head_decodes_like_the_target."""
 
 import pytest
 import torch

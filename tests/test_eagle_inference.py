@@ -1,10 +1,13 @@
 """EAGLE-3 decoding on a tiny random Llama: the head's incremental cache equals a from-scratch recompute (chain
 drafts, EAGLE-2 trees, and inside the decoding loop), greedy decoding is token-identical to target.generate,
-checkpoints round-trip bit-exactly under the engines' weight names, and mismatched heads are refused."""
+sampling at T = 1 follows the target's own distribution (χ²), checkpoints round-trip bit-exactly under the engines'
+weight names, and mismatched heads are refused."""
+
+from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from conftest import assert_first_two_tokens_follow, tiny_llama_config
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
@@ -266,14 +269,35 @@ def test_greedy_tree_is_token_identical_to_target_generate(request, target, refe
         assert max(accepted) >= 2  # accepted paths of several nodes were re-fed as target features
 
 
-def test_tree_decoding_at_temperature_1_runs_with_consistent_stats(target, mimic_head):
-    proposer = EagleTreeProposer(mimic_head, target, depth=3, top_k=3, total_tokens=8)
-    result = tree_speculative_generate(target, proposer, PROMPTS[1], 12, SamplingParams(1.0),
-                                       generator=torch.Generator().manual_seed(0))
-    assert len(result.tokens) == 12 and all(0 <= t < V for t in result.tokens)
-    assert all(0 <= c.accepted <= c.drafted <= 3 for c in result.cycles)
-    assert len(result.tokens) <= sum(c.accepted + 1 for c in result.cycles)  # only the last cycle may be cut short
-    assert result.tau >= 1 and 0 <= result.acceptance <= 1
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_decoding_at_temperature_1_samples_the_first_two_tokens_from_the_target(tree, one_thread):
+    """χ² (level 1e-4, fixed seed) of the first two tokens emitted by the real loop at T = 1, chain (exact speculative
+    sampling with the head's q) and EAGLE-2 tree (deterministic top-k rule), against the target's own two-token
+    distribution. A small vocabulary (8 tokens, 6 of them in the draft vocabulary) keeps the 64 cells well filled; the
+    target's lm_head is sharpened so that p is far from uniform, and drafts are partly accepted."""
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(tiny_llama_config(8, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                               tie_word_embeddings=False)).eval()
+    torch.manual_seed(1)
+    head = Eagle3Head(eagle3_config(small.config, [0, 1, 2], 6)).eval()
+    ids = torch.tensor([0, 1, 3, 4, 6, 7])  # tokens 2 and 5 are never drafted
+    with torch.no_grad():
+        small.lm_head.weight.mul_(15.0)
+        head.d2t.copy_(ids - torch.arange(6))
+        head.t2d[ids] = True
+        head.lm_head.weight.mul_(SHARPEN)
+    proposer = EagleTreeProposer(head, small, depth=2, top_k=2, total_tokens=4) if tree else EagleProposer(head, small)
+    prompt, n = [3, 5], 1500
+    gen = torch.Generator().manual_seed(0)
+    counts, accepted, drafted = Counter(), 0, 0
+    for _ in range(n):
+        result = (tree_speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), generator=gen) if tree else
+                  speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), 2, generator=gen))
+        counts[tuple(result.tokens)] += 1
+        accepted += sum(c.accepted for c in result.cycles)
+        drafted += sum(c.drafted for c in result.cycles)
+    assert 0 < accepted < drafted  # both the accepting and the rejecting branches of the verifier were taken
+    assert_first_two_tokens_follow(small, prompt, counts, n)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

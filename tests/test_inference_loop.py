@@ -84,9 +84,26 @@ def test_asd_at_zero_budget_reproduces_strict_greedy(tiny_pair):
     asd0 = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
                                 asd=ASDSettings(budget=0.0))
     assert asd0.tokens == strict.tokens and asd0.asd_regret == 0
-    loose = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
-                                 asd=ASDSettings(budget=8.0, gate=1.0, max_mismatches=2))
-    assert 0 <= loose.asd_regret <= 8.0 and loose.acceptance >= strict.acceptance
+
+
+def test_asd_with_a_budget_accepts_cheap_mismatches_and_charges_their_exact_regret(tiny_pair):
+    """The counterpart of the zero budget: the random pair's logits are flat, so mismatches are cheap, and ASD with a
+    budget of 1 emits tokens strict greedy would not. Replaying its output through one plain target pass, the regret
+    max_v z(v) - z(x) of every emitted token sums to the ledger (corrections and bonus tokens are argmaxes and cost
+    nothing), which stays within the budget."""
+    target, draft = tiny_pair
+    strict = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4)
+    asd = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
+                               asd=ASDSettings(budget=1.0, gate=0.25, max_mismatches=2))
+    assert len(asd.tokens) == 20 and asd.tokens != strict.tokens
+    assert sum(c.accepted + 1 for c in asd.cycles) == 20  # no accepted token was cut off by max_new_tokens
+    with torch.no_grad():
+        z = target(torch.tensor([PROMPTS[1] + asd.tokens])).logits[0, len(PROMPTS[1]) - 1:-1].double()  # row i scores token i
+    regret = [float(z[i].max() - z[i, x]) for i, x in enumerate(asd.tokens)]
+    first = next(i for i, (a, b) in enumerate(zip(asd.tokens, strict.tokens)) if a != b)
+    assert asd.tokens[:first] == strict.tokens[:first] and regret[first] > 0  # the first difference: an accepted mismatch
+    assert 0 < asd.asd_regret <= 1.0 and sum(regret) == pytest.approx(asd.asd_regret, abs=1e-4)
+    assert sum(r > 0 for r in regret) >= 2 and max(regret) <= 0.25 * 4  # local gate: r_i <= g · (K - i) <= g · K
 
 
 def test_bad_input_is_refused_in_one_line(tiny_pair):
@@ -106,15 +123,31 @@ def test_bad_input_is_refused_in_one_line(tiny_pair):
         self_draft(target, 9)
 
 
-def test_decode_job_from_a_recipe(tiny_target):
+def test_decode_job_from_a_recipe(tmp_path, smollm2_tokenizer):
+    """decode() at T = 0 (the recipe's own temperature), chain and static tree, emits exactly the target's greedy
+    continuation of the chat-templated prompt. The target is untied and sharpened: a tied random Llama only repeats
+    the prompt's last token, which any decoder would reproduce."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(len(smollm2_tokenizer), tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(10.0)
+    target.save_pretrained(tmp_path / "target")
+    smollm2_tokenizer.save_pretrained(tmp_path / "target")
     cfg = load_recipe(REPO / "recipes" / "smollm2-135m-generate.yaml",
-                      [f"target.model={tiny_target}", "drafter.num_layers=1", "inference.max_new_tokens=12",
+                      [f"target.model={tmp_path / 'target'}", "drafter.num_layers=1", "inference.max_new_tokens=12",
                        "output_dir=unused"])
+    prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": cfg.inference.prompt}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                                eos_token_id=target.generation_config.eos_token_id, pad_token_id=2)[0, len(prompt):].tolist()
+    assert cfg.inference.temperature == 0 and len(set(reference)) > 2  # not a repeated token
     report = decode(cfg)
-    assert 1 <= len(report.result.tokens) <= 12 and "tok/s" in report.summary() and "τ =" in report.summary()
+    assert report.result.tokens == reference and "tok/s" in report.summary() and "τ =" in report.summary()
+    assert report.text == smollm2_tokenizer.decode(reference, skip_special_tokens=True)
+    assert 0 < report.result.acceptance < 1  # the 1-layer self-draft is partly rejected: rollback was exercised
     cfg.inference.tree = [[0], [1], [0, 0]]
     report = decode(cfg)
-    assert 1 <= len(report.result.tokens) <= 12
+    assert report.result.tokens == reference
     cfg.inference.tree = [[0], [1, 0]]
     with pytest.raises(SpecdrafterError, match="without its parent"):
         decode(cfg)

@@ -1,12 +1,13 @@
 """Medusa: vLLM's checkpoint layout, fresh heads equal to the target's lm_head, the draft offset (head i at the
 feature of position n - 2 drafts token i + 1), greedy chain / tree / typical decoding identical to
-target.generate, and bad input refused in one line."""
+target.generate, chain and tree sampling at T = 1 distributed as the target (χ²), and bad input refused in one line."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from conftest import assert_first_two_tokens_follow, tiny_llama_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
@@ -154,22 +155,47 @@ def test_typical_padding_is_never_accepted():
     assert (verdict.num_accepted, verdict.accepted_nodes) == (2, [1]) and verdict.next_token < 4
 
 
-def test_sampling_runs_with_consistent_stats(target, random_heads):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampling_at_temperature_1_draws_the_first_two_tokens_from_the_target(tree, one_thread):
+    """χ² (level 1e-4, fixed seed) of the first two tokens emitted by the real loop at T = 1 — chain (exact speculative
+    sampling with the heads' q) and static tree (deterministic top-k rule) — against the target's own two-token
+    distribution. A vocabulary of 8 keeps the 64 cells filled; the target's lm_head is sharpened so that p is far
+    from uniform; the random heads' drafts are partly accepted."""
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(tiny_llama_config(8, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                               tie_word_embeddings=False)).eval()
+    torch.manual_seed(1)
+    heads = MedusaHeads(medusa_config(small.config, num_heads=3, num_layers=1)).eval()
+    with torch.no_grad():
+        small.lm_head.weight.mul_(15.0)
+        for head in heads.lm_heads:
+            head.weight.mul_(10.0)
+    proposer = MedusaTreeProposer(heads, small, tree_from_choices(RAGGED, num_heads=3)) if tree else \
+        MedusaProposer(heads, small)
+    prompt, n = [3, 5], 2500
+    gen = torch.Generator().manual_seed(0)
+    counts, accepted, drafted = Counter(), 0, 0
+    for _ in range(n):
+        result = (tree_speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), generator=gen) if tree else
+                  speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), 2, generator=gen))
+        counts[tuple(result.tokens)] += 1
+        accepted += sum(c.accepted for c in result.cycles)
+        drafted += sum(c.drafted for c in result.cycles)
+    assert 0 < accepted < drafted  # both the accepting and the rejecting branches of the verifier were taken
+    assert_first_two_tokens_follow(small, prompt, counts, n)
+
+
+def test_typical_sampling_runs_with_consistent_stats(target):
+    """Typical acceptance at T = 1 is lossy by design (no distribution to test against): lengths and counts only."""
     gen = torch.Generator().manual_seed(0)
     shape = tree_from_choices(RAGGED, num_heads=3)
     prompt, n = PROMPTS[0], 12
     oracle = oracle_heads(target, prompt + greedy_reference(target, prompt, n))
-    results = [speculative_generate(target, MedusaProposer(random_heads, target), prompt, n, SamplingParams(1.0), 3,
-                                    generator=gen),
-               tree_speculative_generate(target, MedusaTreeProposer(random_heads, target, shape), prompt, n,
-                                         SamplingParams(1.0), generator=gen),
-               typical_generate(target, MedusaTreeProposer(oracle, target, shape), prompt, n,
-                                1.0, generator=gen)]
-    for result in results:
-        emitted = [c.accepted + 1 for c in result.cycles]
-        assert len(result.tokens) == n and sum(emitted[:-1]) < n <= sum(emitted)
-        assert all(0 <= c.accepted <= c.drafted for c in result.cycles)
-        assert all(0 <= t < 300 for t in result.tokens)
+    result = typical_generate(target, MedusaTreeProposer(oracle, target, shape), prompt, n, 1.0, generator=gen)
+    emitted = [c.accepted + 1 for c in result.cycles]
+    assert len(result.tokens) == n and sum(emitted[:-1]) < n <= sum(emitted)
+    assert all(0 <= c.accepted <= c.drafted for c in result.cycles)
+    assert all(0 <= t < 300 for t in result.tokens)
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path, target, random_heads):

@@ -14,6 +14,7 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.inference.sampling import SamplingParams, draw, sample, sampling_probs
 from specdrafter.inference.verify import (
     RegretLedger,
+    Verdict,
     verify_asd,
     verify_greedy,
     verify_sampling,
@@ -88,15 +89,25 @@ def test_bad_sampling_params_are_refused(kwargs, word):
 
 # --------------------------------------------------------------------------------------------- greedy
 def test_verify_greedy_row_alignment_ties_and_bonus():
-    logits = torch.tensor([[0.0, 5.0, 5.0],  # row 0 scores d_1: tie → first maximum, token 1
-                           [9.0, 0.0, 0.0],  # row 1 scores d_2
-                           [0.0, 0.0, 3.0]])  # row 2: bonus
-    assert verify_greedy(torch.tensor([1, 0]), logits) == (v := verify_greedy(torch.tensor([1, 0]), logits))
-    assert (v.num_accepted, v.next_token) == (2, 2)
-    v = verify_greedy(torch.tensor([2, 0]), logits)  # the tie's second index is not the argmax
-    assert (v.num_accepted, v.next_token) == (0, 1)
-    v = verify_greedy(torch.tensor([1, 2]), logits)
-    assert (v.num_accepted, v.next_token) == (1, 0)
+    logits = torch.tensor([[0.0, 5.0, 5.0, 1.0],  # row 0 scores d_1: tie of tokens 1 and 2 → the first maximum, 1
+                           [9.0, 0.0, 0.0, 0.0],  # row 1 scores d_2: argmax 0
+                           [0.0, 1.0, 2.0, 3.0],  # row 2 scores d_3: argmax 3
+                           [4.0, 0.0, 4.0, 0.0]])  # row 3: the bonus row, tie of 0 and 2 → 0
+    assert verify_greedy(torch.tensor([1, 0, 3]), logits) == Verdict(3, 0)  # all accepted: the bonus row's argmax
+    # d_1..d_j match rows 0..j-1, d_{j+1} fails at row j: j accepted, then row j's argmax — never row j+1's, and the
+    # later drafts (equal to their rows' argmax) are not accepted past the mismatch
+    assert verify_greedy(torch.tensor([0, 0, 3]), logits) == Verdict(0, 1)
+    assert verify_greedy(torch.tensor([3, 0, 3]), logits) == Verdict(0, 1)
+    assert verify_greedy(torch.tensor([1, 2, 3]), logits) == Verdict(1, 0)
+    assert verify_greedy(torch.tensor([1, 3, 3]), logits) == Verdict(1, 0)
+    assert verify_greedy(torch.tensor([1, 0, 2]), logits) == Verdict(2, 3)
+    assert verify_greedy(torch.tensor([1, 0, 0]), logits) == Verdict(2, 3)
+    # ties: the second maximal index is not the argmax, even with an equal logit
+    assert verify_greedy(torch.tensor([2, 0, 3]), logits) == Verdict(0, 1)
+    assert verify_greedy(torch.tensor([1, 0, 3, 2]), torch.cat([logits, logits[3:]])) == Verdict(3, 0)
+    # k = 1: row 0 scores the only draft, row 1 is the bonus
+    assert verify_greedy(torch.tensor([1]), logits[:2]) == Verdict(1, 0)
+    assert verify_greedy(torch.tensor([2]), logits[1:3]) == Verdict(0, 0)
 
 
 # ----------------------------------------------------------------------------------- chain, exactness
@@ -302,13 +313,23 @@ def test_asd_cap_and_no_skipping_past_an_infeasible_token():
 # --------------------------------------------------------------------------------------------- typical
 def test_typical_acceptance_threshold_longest_path_and_score():
     V = 4
-    confident = torch.tensor([8.0, 0, 0, 0])  # low entropy: threshold = min(eps, delta e^-H) = eps
-    flat = torch.zeros(V)  # p = 0.25 each, H = ln 4: threshold = min(0.09, 0.3/4 = 0.075) → 0.25 passes
-    candidates = torch.tensor([[0, 1], [0, 2], [3, 0]])
-    logits = torch.stack([torch.stack([confident, flat, confident]),
-                          torch.stack([confident, flat, confident]),
-                          torch.stack([confident, confident, confident])])  # [P, D+1, V]
-    v = verify_typical(candidates, logits, temperature=1.0)
-    assert v.num_accepted == 2 and v.accepted_nodes in ([0], [1])  # both length 2, equal scores → first
-    greedy = verify_typical(candidates, logits, temperature=0.0)
-    assert (greedy.num_accepted, greedy.accepted_nodes, greedy.next_token) == (1, [0], 0)
+    confident = torch.tensor([8.0, 0, 0, 0])  # low entropy: threshold = min(eps, delta e^-H) = eps; only token 0 passes
+    mixed = torch.tensor([0.0, 0, 1, -9])  # p ≈ (0.212, 0.212, 0.576, 2.6e-5), H ≈ 0.976: min(0.09, 0.113) = 0.09
+    named = lambda t: torch.eye(V)[t] * 50  # noqa: E731  a bonus row that names its path: p(t) = 1 - 3e-22
+    paths = {(0, 1): [confident, mixed, named(0)],  # length 2, Σ log p = log p(0) + log 0.212
+             (0, 2): [confident, mixed, named(3)],  # length 2, Σ log p = log p(0) + log 0.576: the winner
+             (0, 3): [confident, mixed, named(1)],  # length 1 (p(3) < 0.09): the highest Σ log p, but shorter
+             (3, 0): [confident, confident, named(2)]}  # length 0
+    for order in ([(0, 1), (0, 2), (0, 3), (3, 0)], [(0, 2), (3, 0), (0, 3), (0, 1)]):  # the winner 2nd, then 1st
+        candidates = torch.tensor(order)
+        logits = torch.stack([torch.stack(paths[c]) for c in order])  # [P, D+1, V]
+        v = verify_typical(candidates, logits, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        assert (v.num_accepted, v.accepted_nodes, v.next_token) == (2, [order.index((0, 2))], 3)
+        greedy = verify_typical(candidates, logits, temperature=0.0)  # typical iff argmax: only (0, 2) is whole
+        assert (greedy.num_accepted, greedy.accepted_nodes, greedy.next_token) == (2, [order.index((0, 2))], 3)
+    # the threshold is min(eps, delta · e^-H): a flat row (p = 0.25, e^-H = 1/4) against the three ways it can fall
+    flat = torch.zeros(V)
+    candidates, logits = torch.tensor([[0, 1]]), torch.stack([confident, flat, named(0)])[None]
+    for eps, delta, accepted in [(0.09, 0.3, 2), (0.5, 1.2, 1), (0.2, 1.2, 2), (0.5, 0.9, 2), (0.26, 2.0, 1)]:
+        v = verify_typical(candidates, logits, 1.0, eps, delta, torch.Generator().manual_seed(0))
+        assert v.num_accepted == accepted, (eps, delta)
