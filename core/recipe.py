@@ -244,6 +244,9 @@ class TypicalConfig:
 @dataclass
 class InferenceConfig:
     prompt: str = "Explain speculative decoding in two sentences."
+    # A prompt set name or a JSONL file / datasets folder: launch/generate.py decodes the first user turn of every
+    # prompt into <output_dir>/decode.jsonl (a rerun skips the prompts already there). None: decode `prompt`.
+    prompts: Optional[str] = None
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
@@ -526,6 +529,9 @@ def _check_values(cfg: DictConfig) -> None:
         raise RecipeError(f"recipe key 'data.prompts': {d.prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an "
                           "existing file")
     inf = cfg.inference
+    if inf.prompts and inf.prompts not in PROMPT_SETS and not Path(inf.prompts).expanduser().exists():
+        raise RecipeError(f"recipe key 'inference.prompts': {inf.prompts!r} is neither a prompt set "
+                          f"({', '.join(PROMPT_SETS)}) nor an existing JSONL file or datasets folder")
     checks = {"inference.k": (inf.k == "auto" or (isinstance(inf.k, int) and inf.k >= 1), "auto or >= 1"),
               "inference.k_max": (inf.k_max >= 1, ">= 1"), "inference.max_new_tokens": (inf.max_new_tokens >= 1, ">= 1"),
               "inference.temperature": (inf.temperature >= 0, ">= 0"), "inference.top_k": (inf.top_k >= 0, ">= 0"),

@@ -32,6 +32,10 @@ from specdrafter.inference.verify import (
 from specdrafter.models.features import capture_features
 
 
+class ContextOverflow(SpecdrafterError):
+    """The prompt leaves the target's context too little room for max_new_tokens and one draft block or tree."""
+
+
 @dataclass
 class CycleStats:
     drafted: int  # k
@@ -203,7 +207,7 @@ def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[L
     if not prompt_ids:
         raise SpecdrafterError("empty prompt")
     if context and len(prompt_ids) + room > context:
-        raise SpecdrafterError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the target's context of "
+        raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the target's context of "
                                f"{context} tokens")
     committed, cache = list(prompt_ids), DynamicCache()
     if len(committed) > 1:

@@ -1,4 +1,4 @@
-"""One decoding job from a recipe: build the drafter, chat-template the prompt, decode speculatively, report."""
+"""Decoding jobs from a recipe: build the drafter, chat-template the prompt(s), decode speculatively, report."""
 
 from __future__ import annotations
 
@@ -8,17 +8,24 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from specdrafter.core.io import SpecdrafterError, check_model_folder
-from specdrafter.data.assets import load_target
+from specdrafter.core.io import SpecdrafterError, atomic_write_text, check_model_folder
+from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner
-from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
+from specdrafter.inference.decode import (
+    ASDSettings,
+    ContextOverflow,
+    GenerationResult,
+    speculative_generate,
+    tree_speculative_generate,
+)
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
 from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, typical_generate
 from specdrafter.inference.proposers import (
@@ -146,28 +153,107 @@ class DecodeReport:
                 + (f"; ASD regret {r.asd_regret:.2f}" if r.asd_regret else ""))
 
 
-def decode(cfg: DictConfig) -> DecodeReport:
+@dataclass
+class Decoder:
+    """A recipe's decoding set up once for any number of requests: the target, the drafter, the sampling settings."""
+    cfg: DictConfig
+    target: torch.nn.Module
+    tokenizer: object
+    proposer: object  # inference/proposers.py: a Proposer, or a TreeProposer when the recipe asks for a tree
+    eos: List[int]
+    generator: torch.Generator
+
+    def __call__(self, prompt: List[int]) -> GenerationResult:
+        """One request: prompt ids → the new tokens and per-cycle statistics."""
+        inf, target, n = self.cfg.inference, self.target, self.cfg.inference.max_new_tokens
+        if inf.verifier.value == "typical":
+            return typical_generate(target, self.proposer, prompt, n, inf.temperature, inf.typical.eps, inf.typical.delta,
+                                    self.eos, self.generator)
+        params = SamplingParams(inf.temperature, inf.top_k, inf.top_p)
+        if inf.tree or inf.dynamic_tree.total_tokens:
+            return tree_speculative_generate(target, self.proposer, prompt, n, params, self.eos, self.generator)
+        asd = ASDSettings(**inf.asd) if inf.verifier.value == "asd" else None
+        return speculative_generate(target, self.proposer, prompt, n, params, self.block, self.eos, asd, self.generator)
+
+    def __post_init__(self):
+        self.block = block_length(self.cfg.inference)  # a tuner (k = auto) learns across the requests
+
+
+def build_decoder(cfg: DictConfig) -> Decoder:
     inf = cfg.inference
-    if not inf.prompt.strip():
-        raise SpecdrafterError("recipe key 'inference.prompt' is empty")
-    params = SamplingParams(inf.temperature, inf.top_k, inf.top_p)
-    shape = tree_from_choices([list(c) for c in inf.tree]) if inf.tree else None  # checked before any load
-    asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches) if inf.verifier.value == "asd" else None
-    if asd is not None and (shape is not None or inf.dynamic_tree.total_tokens):
+    if inf.tree:
+        tree_from_choices([list(c) for c in inf.tree])  # a bad tree is one line before anything loads
+    if inf.verifier.value == "asd" and (inf.tree or inf.dynamic_tree.total_tokens):
         raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
     target, tokenizer = load_serving_target(cfg)
-    proposer = build_proposer(cfg, target)
-    prompt = user_prompt_ids(tokenizer, inf.prompt)
-    eos = eos_token_ids(target, tokenizer)
-    generator = torch.Generator().manual_seed(inf.seed)
+    return Decoder(cfg, target, tokenizer, build_proposer(cfg, target), eos_token_ids(target, tokenizer),
+                   torch.Generator().manual_seed(inf.seed))
+
+
+def decode(cfg: DictConfig) -> DecodeReport:
+    """inference.prompt through the decoding loop."""
+    if not cfg.inference.prompt.strip():
+        raise SpecdrafterError("recipe key 'inference.prompt' is empty")
+    decoder = build_decoder(cfg)
     start = time.perf_counter()
-    if inf.verifier.value == "typical":
-        result = typical_generate(target, proposer, prompt, inf.max_new_tokens, inf.temperature, inf.typical.eps,
-                                  inf.typical.delta, eos, generator)
-    elif hasattr(proposer, "propose_tree"):
-        result = tree_speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, eos, generator)
-    else:
-        result = speculative_generate(target, proposer, prompt, inf.max_new_tokens, params, block_length(inf), eos, asd,
-                                      generator)
+    result = decoder(user_prompt_ids(decoder.tokenizer, cfg.inference.prompt))
     seconds = time.perf_counter() - start
-    return DecodeReport(tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)
+    return DecodeReport(decoder.tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)
+
+
+def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = None) -> dict:
+    """Every prompt of inference.prompts (its first user turn) through the decoding loop, one JSON row each in
+    <output_dir>/decode.jsonl, appended as it goes: a rerun skips the prompts already written (a row cut short by a
+    kill is dropped). A prompt that leaves no room for max_new_tokens in the target's context gets a row saying why
+    instead of stopping the job. Returns the totals; `on_prompt(i)` is called after each prompt."""
+    records = load_prompt_set(cfg.inference.prompts)
+    if not records:
+        raise SpecdrafterError(f"recipe key 'inference.prompts': {cfg.inference.prompts!r} holds no prompts")
+    out = Path(cfg.output_dir).expanduser() / "decode.jsonl"
+    done = _rows_written(out)
+    decoder = build_decoder(cfg)
+    totals = dict(prompts=len(records), decoded=0, skipped=0, resumed=len(done), tokens=0, passes=0, accepted=0,
+                  drafted=0, seconds=0.0)
+    with open(out, "a") as f, tqdm(total=len(records), initial=len(done), desc="decode", unit="prompt") as bar:
+        for i, record in enumerate(records):
+            if record["id"] in done:
+                continue
+            prompt = user_prompt_ids(decoder.tokenizer, record["turns"][0])  # the loader refuses empty turns
+            row = {"id": record["id"], "prompt_tokens": len(prompt)}
+            start = time.perf_counter()
+            try:
+                r = decoder(prompt)
+            except ContextOverflow as e:  # room for max_new_tokens and one draft block or tree is checked first
+                r, row["skipped"] = None, str(e)
+            seconds = time.perf_counter() - start
+            if "skipped" not in row:
+                row.update(text=decoder.tokenizer.decode(r.tokens, skip_special_tokens=True), tokens=len(r.tokens),
+                           passes=len(r.cycles), accepted=sum(c.accepted for c in r.cycles),
+                           drafted=sum(c.drafted for c in r.cycles), seconds=round(seconds, 4))
+                for key in ("tokens", "passes", "accepted", "drafted", "seconds"):
+                    totals[key] += row[key]
+            totals["skipped" if "skipped" in row else "decoded"] += 1
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            bar.update(1)
+            if on_prompt is not None:
+                on_prompt(i)
+    return totals
+
+
+def _rows_written(path: Path) -> set:
+    """The ids already in decode.jsonl; a last line cut short by a kill is removed so the file stays valid JSONL."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return set()
+    lines = path.read_text().splitlines(keepends=True)
+    ids, good = set(), []
+    for line in lines:
+        try:
+            ids.add(json.loads(line)["id"])
+            good.append(line)
+        except (ValueError, KeyError, TypeError):
+            break  # only the last line can be cut short: rows are appended one at a time
+    if len(good) < len(lines):
+        atomic_write_text(path, "".join(good))
+    return ids
