@@ -1,10 +1,12 @@
-"""Acceptance statistics of decoding runs (per-token α, the per-position curve) and the speedup formula
-(docs/algorithms.md §Speedup model), shared by the evaluation job (eval/job.py) and the decode benchmark
-(eval/bench_decode.py). The cost measurements the formula needs (v(n)) live in inference/autotune.py."""
+"""Acceptance statistics of decoding runs (per-token α, the per-position curve), the speedup formula
+(docs/algorithms.md §Speedup model) and `cycle_metrics`, the one place where a run's cycles become the numbers that
+the evaluation job (eval/job.py) and the decode benchmark (eval/bench_decode.py) report; also how a speedup's spread
+is flagged. The cost measurements the formula needs (v(n)) live in inference/autotune.py."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 from specdrafter.inference.autotune import pass_cost
 from specdrafter.inference.decode import CycleStats
@@ -52,3 +54,83 @@ def tree_predicted_speedup(tau: float, cycles: List[CycleStats], c: float, v: Di
     """A tree's measured τ over the cost of its average cycle, v(tree size) + c (c: draft time per cycle ÷ one
     target step) — the size may change every cycle (inference.dynamic_tree.auto_size)."""
     return tau / (sum(pass_cost(v, x.size) for x in cycles) / len(cycles) + c)
+
+
+@dataclass
+class CycleMetrics:
+    """What the cycles of one decoding run (a cell, a benchmark arm) say, unrounded."""
+
+    tokens: int
+    target_passes: int
+    tau: float  # tokens per target pass, bonus included
+    alpha: float  # accepted drafts / draft positions tried
+    per_position: List[Optional[float]]
+    per_position_n: List[int]
+    c: float  # draft seconds ÷ one target step: per drafted token (chains), per cycle (trees)
+    k_used: Optional[int]  # chains: the block length used most
+    mean_tree_size: Optional[float]  # trees: tokens per target pass on average
+    predicted_speedup: Optional[float]  # None where v(n) does not cover the passes
+    best_k: Optional[int]  # chains: the k the formula prefers
+    mean_tv: Optional[float]  # mean D_TV(p, q) at the tried positions (runs with record_tv)
+    alpha_tv_gap: Optional[float]  # α − (1 − mean D_TV)
+    verifier_per_token: float  # verifier seconds per token ÷ one target step
+
+    def rounded(self) -> dict:
+        """The fields as results.json and bench_decode.json store them (trees carry mean_tree_size, chains don't)."""
+        r = lambda x, digits: None if x is None else round(x, digits)  # noqa: E731
+        out = {"tokens": self.tokens, "target_passes": self.target_passes, "tau": r(self.tau, 3),
+               "alpha": r(self.alpha, 4), "per_position": [r(a, 4) for a in self.per_position],
+               "per_position_n": self.per_position_n, "mean_tv": r(self.mean_tv, 4),
+               "alpha_tv_gap": r(self.alpha_tv_gap, 4), "c": r(self.c, 4), "k_used": self.k_used,
+               "predicted_speedup": r(self.predicted_speedup, 3), "best_k": self.best_k,
+               "verifier_per_token_vs_target_step": r(self.verifier_per_token, 4)}
+        if self.mean_tree_size is not None:
+            out["mean_tree_size"] = r(self.mean_tree_size, 2)
+        return out
+
+
+def cycle_metrics(cycles: List[CycleStats], tokens: int, step_s: float, v: Dict[int, float], chain: bool) -> CycleMetrics:
+    """α, τ, the per-position curve, c, the predicted speedup (and best k) of one run from its `cycles`, the
+    `tokens` it committed, one target step's seconds `step_s` and the machine's v(n) (fitted monotone). `chain`:
+    a chain (c per drafted token, the closed form with the modal k) or a tree (c per cycle, τ ÷ mean cycle cost)."""
+    passes = len(cycles)
+    tau = tokens / max(passes, 1)
+    alpha = alpha_per_token(cycles)
+    calls = sum(x.drafted for x in cycles) if chain else passes  # chains draft token by token, trees once per cycle
+    c = sum(x.draft_s for x in cycles) / max(calls, 1) / step_s
+    tvs = [t for x in cycles for t in (x.tv or [])]
+    mean_tv = sum(tvs) / len(tvs) if tvs else None
+    k = modal_block_length(cycles)  # a fixed k, or where an auto-tuned run settled
+    predicted = best_k = None
+    if chain and k + 1 in v:
+        predicted, best_k = predicted_speedup(alpha, k, c, v[k + 1]), best_block_length(alpha, c, v)
+    elif not chain and cycles and v and max(v) >= max(x.size for x in cycles):
+        predicted = tree_predicted_speedup(tau, cycles, c, v)
+    return CycleMetrics(
+        tokens=tokens, target_passes=passes, tau=tau, alpha=alpha, per_position=per_position_acceptance(cycles),
+        per_position_n=position_counts(cycles), c=c, k_used=k if chain else None,
+        mean_tree_size=None if chain else sum(x.size for x in cycles) / max(passes, 1), predicted_speedup=predicted,
+        best_k=best_k, mean_tv=mean_tv, alpha_tv_gap=None if mean_tv is None else alpha - (1 - mean_tv),
+        verifier_per_token=sum(x.verifier_s for x in cycles) / max(tokens, 1) / step_s)
+
+
+# ------------------------------------------------------------------------------- a speedup and its spread
+NOISY = "⚠ noisy"
+NOISY_LEGEND = "⚠ noisy: the speedup's spread is larger than its distance from 1×, so this measurement cannot tell it from 1×."
+
+
+def is_noisy(speedup: Optional[float], spread: Optional[float]) -> bool:
+    """A speedup whose effect |speedup − 1| is smaller than its spread (unknown spread: not flagged)."""
+    return speedup is not None and spread is not None and abs(speedup - 1) < spread
+
+
+def spread_label(speedup: Optional[float], spread: Optional[float]) -> str:
+    """The spread as printed beside a speedup: "0.03", "0.21 ⚠ noisy", or "" when unknown."""
+    if spread is None:
+        return ""
+    return f"{spread:g}" + (f" {NOISY}" if is_noisy(speedup, spread) else "")
+
+
+def range_of(values: Sequence[float]) -> Optional[float]:
+    """max − min: the spread of a speedup over repeats (None for fewer than two: unknown)."""
+    return max(values) - min(values) if len(values) > 1 else None

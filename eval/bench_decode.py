@@ -9,11 +9,12 @@ prompt on a fixed sample of MT-Bench, GSM8K and HumanEval first turns, repeated,
         [--arms eagle3_chain eagle3_asd ...]
 
 Without drafter flags the recipe's own drafter is benchmarked (chain, plus its tree when the recipe sets one).
-Per arm: tokens/s (median over repeats), speedup over target-only, τ, α, c (draft time per drafted token ÷ target
-step, measured inside the loop), the formula's predicted speedup from the measured α, c and v(n) (target pass over
-n tokens ÷ one, measured here), measured/predicted, and the verifier's time per token ÷ target step; for ASD also
-its regret per prompt, the outputs that differ from strict greedy and its speed against the strict arm. Writes
-bench_decode.json, bench_decode.md and bench_decode.png to --out.
+Per arm: tokens/s (median over repeats), speedup over target-only with its spread (max − min over repeats of the
+speedup within each repeat; "⚠ noisy" where that exceeds |speedup − 1|), τ, α, c (draft time per drafted token ÷
+target step, measured inside the loop), the formula's predicted speedup from the measured α, c and v(n) (target pass
+over n tokens ÷ one, measured here with its spread and fitted monotone), measured/predicted, and the verifier's time
+per token ÷ target step; for ASD also its regret per prompt, the outputs that differ from strict greedy and its
+speed against the strict arm. Writes bench_decode.json, bench_decode.md and bench_decode.png to --out.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from specdrafter.core.recipe import load_recipe
+from specdrafter.core.recipe import DrafterKind, load_recipe
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.eval.acceptance import alpha_per_token, modal_block_length, predicted_speedup, tree_predicted_speedup
-from specdrafter.inference.autotune import TreeSizeTuner, step_costs
+from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, cycle_metrics, is_noisy, range_of, spread_label
+from specdrafter.eval.report import machine_line
+from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate
 from specdrafter.inference.run import block_length, build_proposer, load_draft_model, load_serving_target
@@ -43,11 +46,13 @@ DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
 DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # verified whole (eagle3_tree)
 AUTO_DYNAMIC_TREE = {"total_tokens": 32, "depth": 5, "top_k": 6}  # candidates the tuner sizes from (eagle3_tree_auto)
 
+Decode = Callable  # (prompt ids, temperature, generator) → list of new tokens, or a GenerationResult
+
 
 @dataclass
 class Arm:
     name: str
-    decode: Callable  # (prompt ids, temperature, generator) → list of new tokens, or a GenerationResult
+    decode: Decode
     shape: str = ""  # "k=4", "tree 17"
     k: object = 0  # chain block length: a number or "auto" (0: not a chain)
     tree_size: int = 0  # tokens per target pass of a tree arm
@@ -59,94 +64,143 @@ class Arm:
     regret: Dict[float, float] = field(default_factory=dict)  # temperature → ASD regret summed over the prompts
 
 
-def build_arms(cfg, args, target, eos) -> List[Arm]:
-    inf, k = cfg.inference, cfg.inference.k
-    params = lambda t: SamplingParams(t, inf.top_k, inf.top_p)  # noqa: E731
+@dataclass(frozen=True)
+class Setup:
+    """What every arm decodes with."""
 
-    def hf(draft=None):
-        def run(prompt, t, generator):
-            torch.manual_seed(int(generator.initial_seed()))
-            sample = dict(do_sample=t > 0, **({"temperature": t, "top_k": 0} if t else {}))
-            if draft is None:
-                extra = {}
-            elif k == "auto":  # HF's own adaptive schedule against ours
-                extra = dict(assistant_model=draft)
-            else:
-                extra = dict(assistant_model=draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                             assistant_confidence_threshold=0.0)
-            out = target.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                                  pad_token_id=eos[0], **sample, **extra)
-            return out[0, len(prompt):].tolist()
-        return run
+    target: torch.nn.Module
+    eos: List[int]
+    max_new_tokens: int
+    inference: DictConfig  # the recipe's inference section (k, sampling, trees, ASD, typical)
 
-    def chain(proposer, asd=None):
-        block = block_length(inf)  # a tuner (k = auto) per arm, learning across its prompts
-        if not isinstance(block, int):
-            block.calibrate(target, [1] * 16)  # before any timing
-        return lambda prompt, t, g: speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t), block,
-                                                         eos, asd, g)
+    def sampling(self, t: float) -> SamplingParams:
+        return SamplingParams(t, self.inference.top_k, self.inference.top_p)
 
-    def tree(proposer):
-        sized = getattr(proposer, "tuner", None)  # an auto-sized dynamic tree: one tuner per temperature
-        if sized is not None:
-            sized.calibrate(target, [1] * 16)  # before any timing
-            costs, tuners = {n: x * sized.step_s for n, x in sized.v.items()}, {}
 
-        def run(prompt, t, generator):
-            if sized is not None:
-                proposer.tuner = tuners.setdefault(t, TreeSizeTuner(sized.max_nodes, step_costs=costs))
-            return tree_speculative_generate(target, proposer, prompt, args.max_new_tokens, params(t), eos, generator)
-        return run
-
-    def variant(kind, path, **inference):
-        c = cfg.copy()
-        c.drafter.kind, c.drafter.path = kind, str(path) if path else None
-        c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
-        for key, value in inference.items():
-            if isinstance(value, dict):  # a structured sub-config (dynamic_tree): set its fields one by one
-                for field_name, x in value.items():
-                    c.inference[key][field_name] = x
-            else:
-                c.inference[key] = value
-        return c
-
-    arms = [Arm("target", hf())]
+def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
+    """What is measured: target-only HF `generate`, then the arms of every drafter given (or the recipe's own)."""
+    setup = Setup(target, eos, args.max_new_tokens, cfg.inference)
     given = {"draft_model": args.draft_model, "eagle3": args.eagle3, "medusa": args.medusa}
     if not any(given.values()):  # the recipe's own drafter
         given[cfg.drafter.kind.value] = cfg.drafter.path or "recipe"
+    arms = [Arm("target", hf_decoder(setup))]
     if given.get("draft_model") or given.get("self_draft"):
         kind = "draft_model" if given.get("draft_model") else "self_draft"
-        c = variant(kind, given.get("draft_model"))
-        draft = load_draft_model(c, target)
-        arms += [Arm("hf_assisted", hf(draft), f"k={k}"), Arm(f"{kind}_chain", chain(build_proposer(c, target)), f"k={k}", k)]
-        if inf.tree:  # the recipe's static tree for the draft model too
-            arms.append(Arm(f"{kind}_tree", tree(build_proposer(variant(kind, given.get("draft_model"), tree=inf.tree), target)),
-                            f"tree {len(inf.tree) + 1}", tree_size=len(inf.tree) + 1))
+        arms += draft_model_arms(cfg, setup, kind, given.get("draft_model"))
     if given.get("eagle3"):
-        c = variant("eagle3", given["eagle3"])
-        eagle = build_proposer(c, target)
-        dyn = {**DEFAULT_DYNAMIC_TREE, **({k_: inf.dynamic_tree[k_] for k_ in DEFAULT_DYNAMIC_TREE}
-                                           if inf.dynamic_tree.total_tokens else {})}
-
-        def eagle_tree(name, auto_size, **shape):  # the recipe's (or the default) dynamic tree, all of it or auto-sized
-            t = {**dyn, **shape, "auto_size": auto_size}
-            label = f"dynamic {t['total_tokens']}/{t['depth']}/{t['top_k']}" + (" auto" if auto_size else "")
-            proposer = build_proposer(variant("eagle3", given["eagle3"], dynamic_tree=t), target)
-            return Arm(name, tree(proposer), label, tree_size=t["total_tokens"] + 1)
-
-        arms += [Arm("eagle3_chain", chain(eagle), f"k={k}", k), eagle_tree("eagle3_tree", False),
-                 eagle_tree("eagle3_tree_auto", True, **AUTO_DYNAMIC_TREE),
-                 Arm("eagle3_asd", chain(eagle, ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches)),
-                     f"k={k} B={inf.asd.budget:g}", k, greedy_only=True)]
+        arms += eagle3_arms(cfg, setup, given["eagle3"])
     if given.get("medusa"):
-        choices = [list(x) for x in inf.tree] or DEFAULT_MEDUSA_TREE
-        medusa = build_proposer(variant("medusa", given["medusa"], tree=choices), target)
-        size = len(choices) + 1
-        typical = lambda prompt, t, g: typical_generate(target, medusa, prompt, args.max_new_tokens, t,  # noqa: E731
-                                                        inf.typical.eps, inf.typical.delta, eos, g)
-        arms += [Arm("medusa_tree", tree(medusa), f"tree {size}", tree_size=size),
-                 Arm("medusa_typical", typical, f"tree {size}", tree_size=size)]
+        arms += medusa_arms(cfg, setup, given["medusa"])
     return arms
+
+
+# ------------------------------------------------------------------------------------------- arm families
+def draft_model_arms(cfg: DictConfig, setup: Setup, kind: str, path: Optional[str]) -> List[Arm]:
+    """A draft model (or the self-draft): HF assisted generation with it, our chain, and the recipe's static tree."""
+    inf, k = cfg.inference, cfg.inference.k
+    c = variant(cfg, kind, path)
+    arms = [Arm("hf_assisted", hf_decoder(setup, load_draft_model(c, setup.target)), f"k={k}"),
+            Arm(f"{kind}_chain", chain_decoder(setup, build_proposer(c, setup.target)), f"k={k}", k)]
+    if inf.tree:  # the recipe's static tree for the draft model too
+        tree = build_proposer(variant(cfg, kind, path, tree=inf.tree), setup.target)
+        arms.append(Arm(f"{kind}_tree", tree_decoder(setup, tree), f"tree {len(inf.tree) + 1}", tree_size=len(inf.tree) + 1))
+    return arms
+
+
+def eagle3_arms(cfg: DictConfig, setup: Setup, path: str) -> List[Arm]:
+    """An EAGLE-3 head: chain, the dynamic tree verified whole and auto-sized, and ASD (T = 0) on the chain."""
+    inf, k = cfg.inference, cfg.inference.k
+    eagle = build_proposer(variant(cfg, "eagle3", path), setup.target)
+    recipe_tree = {key: inf.dynamic_tree[key] for key in DEFAULT_DYNAMIC_TREE} if inf.dynamic_tree.total_tokens else {}
+    dyn = {**DEFAULT_DYNAMIC_TREE, **recipe_tree}  # the recipe's dynamic tree, or the default one
+    asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches)
+    return [Arm("eagle3_chain", chain_decoder(setup, eagle), f"k={k}", k),
+            eagle3_tree_arm(cfg, setup, path, "eagle3_tree", {**dyn, "auto_size": False}),
+            eagle3_tree_arm(cfg, setup, path, "eagle3_tree_auto", {**dyn, **AUTO_DYNAMIC_TREE, "auto_size": True}),
+            Arm("eagle3_asd", chain_decoder(setup, eagle, asd), f"k={k} B={inf.asd.budget:g}", k, greedy_only=True)]
+
+
+def eagle3_tree_arm(cfg: DictConfig, setup: Setup, path: str, name: str, tree: dict) -> Arm:
+    """An EAGLE-3 dynamic tree (`tree`: total_tokens, depth, top_k, auto_size), verified whole or auto-sized."""
+    label = f"dynamic {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}" + (" auto" if tree["auto_size"] else "")
+    proposer = build_proposer(variant(cfg, "eagle3", path, dynamic_tree=tree), setup.target)
+    return Arm(name, tree_decoder(setup, proposer), label, tree_size=tree["total_tokens"] + 1)
+
+
+def medusa_arms(cfg: DictConfig, setup: Setup, path: str) -> List[Arm]:
+    """Medusa heads on a static tree (the recipe's, or a default one): exact tree verification and typical acceptance."""
+    choices = [list(x) for x in cfg.inference.tree] or DEFAULT_MEDUSA_TREE
+    medusa = build_proposer(variant(cfg, "medusa", path, tree=choices), setup.target)
+    size = len(choices) + 1
+    return [Arm("medusa_tree", tree_decoder(setup, medusa), f"tree {size}", tree_size=size),
+            Arm("medusa_typical", typical_decoder(setup, medusa), f"tree {size}", tree_size=size)]
+
+
+def variant(cfg: DictConfig, kind: str, path, **inference) -> DictConfig:
+    """The recipe with drafter `kind` at `path`, no tree unless given, and the `inference` keys set."""
+    c = cfg.copy()
+    c.drafter.kind, c.drafter.path = DrafterKind(kind), str(path) if path else None
+    c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
+    for key, value in inference.items():
+        if isinstance(value, dict):  # a structured sub-config (dynamic_tree): set its fields one by one
+            for field_name, x in value.items():
+                c.inference[key][field_name] = x
+        else:
+            c.inference[key] = value
+    return c
+
+
+# ------------------------------------------------------------------------------------------- decoders
+def hf_decoder(setup: Setup, draft=None) -> Decode:
+    """HF `generate`: target-only, or assisted by `draft` with k drafted tokens per step (at k = auto, HF's own
+    adaptive schedule against ours)."""
+    k = setup.inference.k
+    if draft is None:
+        assist = {}
+    elif k == "auto":
+        assist = dict(assistant_model=draft)
+    else:
+        assist = dict(assistant_model=draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)
+
+    def run(prompt, t, generator):
+        torch.manual_seed(int(generator.initial_seed()))
+        sample = dict(do_sample=t > 0, **({"temperature": t, "top_k": 0} if t else {}))
+        out = setup.target.generate(torch.tensor([prompt]), max_new_tokens=setup.max_new_tokens, eos_token_id=setup.eos,
+                                    pad_token_id=setup.eos[0], **sample, **assist)
+        return out[0, len(prompt):].tolist()
+    return run
+
+
+def chain_decoder(setup: Setup, proposer, asd: Optional[ASDSettings] = None) -> Decode:
+    """Our chain loop; at k = auto one tuner per arm, calibrated before any timing, learning across its prompts."""
+    block = block_length(setup.inference)
+    if not isinstance(block, int):
+        block.calibrate(setup.target, [1] * 16)
+    return lambda prompt, t, g: speculative_generate(setup.target, proposer, prompt, setup.max_new_tokens,
+                                                     setup.sampling(t), block, setup.eos, asd, g)
+
+
+def tree_decoder(setup: Setup, proposer) -> Decode:
+    """Our tree loop; an auto-sized dynamic tree gets one tree-size tuner per temperature, sharing one calibration
+    made before any timing."""
+    sized, tuners = getattr(proposer, "tuner", None), {}
+    if sized is not None:
+        sized.calibrate(setup.target, [1] * 16)
+
+    def run(prompt, t, generator):
+        if sized is not None:
+            proposer.tuner = tuners.setdefault(t, TreeSizeTuner(sized.max_nodes, step_costs=sized.costs))
+        return tree_speculative_generate(setup.target, proposer, prompt, setup.max_new_tokens, setup.sampling(t),
+                                         setup.eos, generator)
+    return run
+
+
+def typical_decoder(setup: Setup, proposer) -> Decode:
+    """Medusa's typical acceptance (lossy at T > 0) over the proposer's static tree."""
+    typical = setup.inference.typical
+    return lambda prompt, t, g: typical_generate(setup.target, proposer, prompt, setup.max_new_tokens, t, typical.eps,
+                                                 typical.delta, setup.eos, g)
 
 
 def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float], repeats: int, seed: int) -> None:
@@ -178,10 +232,26 @@ def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float]
                 f"{a.name} {totals[a.name][0] / totals[a.name][1]:.1f}" for a in active) + " tok/s", file=sys.stderr)
 
 
-def set_speed(arm: Arm, t: float, members: List[int]) -> float:
-    """tok/s of `arm` over the prompts `members` (one prompt set), median over repeats."""
-    return statistics.median(sum(run[i][0] for i in members) / sum(run[i][1] for i in members)
-                             for run in arm.per_prompt[t])
+def set_speeds(arm: Arm, t: float, members: List[int]) -> List[float]:
+    """tok/s of `arm` over the prompts `members` (one prompt set), one per repeat."""
+    return [sum(run[i][0] for i in members) / sum(run[i][1] for i in members) for run in arm.per_prompt[t]]
+
+
+def speeds(arm: Arm, t: float) -> List[float]:
+    """tok/s of `arm` over all prompts, one per repeat."""
+    return [n / s for n, s in arm.runs[t]]
+
+
+def speedup_with_spread(mine: List[float], base: List[float]) -> Tuple[float, Optional[float]]:
+    """(median tok/s ÷ the baseline's median tok/s, the spread: max − min over repeats of the per-repeat ratio —
+    both ran in the same repeat, interleaved, so the ratio cancels what the machine did between repeats; None with
+    a single repeat)."""
+    return (statistics.median(mine) / statistics.median(base),
+            range_of([x / y for x, y in zip(mine, base)]))
+
+
+def _round(x: Optional[float], digits: int = 3) -> Optional[float]:
+    return None if x is None else round(x, digits)
 
 
 def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, float],
@@ -190,65 +260,70 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
     groups = {name: [i for i, x in enumerate(sets) if x == name] for name in dict.fromkeys(sets)} if sets else {}
     rows = []
     for t in temperatures:
-        base = statistics.median(n / s for n, s in arms[0].runs[t])
+        target = arms[0]
         for a in arms:
             if t not in a.runs:
                 continue
-            speed = statistics.median(n / s for n, s in a.runs[t])
-            row = {"temperature": t, "arm": a.name, "shape": a.shape, "tokens_per_s": round(speed, 2),
-                   "speedup": round(speed / base, 3), "repeats": [round(n / s, 2) for n, s in a.runs[t]]}
+            speedup, spread = speedup_with_spread(speeds(a, t), speeds(target, t))
+            row = {"temperature": t, "arm": a.name, "shape": a.shape, "tokens_per_s": round(statistics.median(speeds(a, t)), 2),
+                   "speedup": round(speedup, 3), "speedup_spread": _round(spread),
+                   "repeats": [round(x, 2) for x in speeds(a, t)]}
             if len(groups) > 1:
-                row["speedup_by_set"] = {name: round(set_speed(a, t, m) / set_speed(arms[0], t, m), 3)
-                                         for name, m in groups.items()}
-            cs = a.cycles.get(t)
-            if cs:
-                tokens = a.runs[t][0][0]
-                drafted = sum(c.drafted for c in cs) if a.k else len(cs)
-                c = sum(x.draft_s for x in cs) / max(drafted, 1) / one
-                alpha = alpha_per_token(cs)
-                k = modal_block_length(cs)  # the fixed k, or where the tuner settled
-                predicted = (predicted_speedup(alpha, k, c, v[k + 1]) if a.k
-                             else tree_predicted_speedup(tokens / len(cs), cs, c, v))
-                row["k_used"] = k if a.k else None
-                if a.tree_size:
-                    row["mean_tree_size"] = round(sum(x.size for x in cs) / len(cs), 2)
-                row.update(tau=round(tokens / len(cs), 3), alpha=round(alpha, 3), c=round(c, 3),
-                           predicted_speedup=round(predicted, 3), measured_over_predicted=round(speed / base / predicted, 3),
-                           verifier_per_token_vs_target_step=round(sum(x.verifier_s for x in cs) / tokens / one, 4))
+                by_set = {name: speedup_with_spread(set_speeds(a, t, m), set_speeds(target, t, m)) for name, m in groups.items()}
+                row["speedup_by_set"] = {name: round(x, 3) for name, (x, _) in by_set.items()}
+                row["speedup_by_set_spread"] = {name: _round(s) for name, (_, s) in by_set.items()}
+            if a.cycles.get(t):  # the first repeat's cycles and tokens
+                metrics = cycle_metrics(a.cycles[t], a.runs[t][0][0], one, v, chain=bool(a.k))
+                keep = ["k_used", "mean_tree_size", "tau", "alpha", "c", "predicted_speedup",
+                        "verifier_per_token_vs_target_step"]
+                row.update({key: value for key, value in metrics.rounded().items() if key in keep})
+                if metrics.predicted_speedup:
+                    row["measured_over_predicted"] = round(speedup / metrics.predicted_speedup, 3)
             strict = next((b for b in arms if b.name == a.name.replace("_asd", "_chain")), None)
             if a.name.endswith("_asd") and strict is not None and t in strict.outputs:  # ASD is lossy: what it cost
                 pairs = list(zip(a.outputs[t], strict.outputs[t]))
+                ratio, ratio_spread = speedup_with_spread(speeds(a, t), speeds(strict, t))
                 row.update(asd_regret_per_prompt=round(a.regret[t] / len(pairs), 3),
                            outputs_differing=f"{sum(x != y for x, y in pairs)}/{len(pairs)}",
-                           vs_strict=round(speed / statistics.median(n / s for n, s in strict.runs[t]) - 1, 3))
+                           vs_strict=round(ratio - 1, 3), vs_strict_spread=_round(ratio_spread))
             rows.append(row)
     return rows
 
 
 def markdown(rows: List[dict], header: str) -> str:
-    lines = [header, "", "| T | arm | shape | tok/s | speedup | τ | α | c | predicted | measured/predicted | verifier/token ÷ "
-                         "target step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| T | arm | shape | tok/s | speedup | spread | τ | α | c | predicted | measured/predicted | "
+                         "verifier/token ÷ target step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = r["shape"] + (f" ({r['k_used']})" if "auto" in r["shape"] and r.get("k_used") else "")
         shape += f" (mean {r['mean_tree_size']:g})" if "auto" in r["shape"] and r.get("mean_tree_size") else ""
         lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
+                     f"{spread_label(r['speedup'], r.get('speedup_spread'))} | "
                      f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
                      f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
+    lines += ["", "spread: max − min over the repeats of the speedup measured within each repeat (none with one repeat). "
+              + NOISY_LEGEND]
     by_set = [r for r in rows if "speedup_by_set" in r]
     if by_set:
         names = list(by_set[0]["speedup_by_set"])
-        lines += ["", "Speedup over target-only on each prompt set (same run):", "",
+        lines += ["", "Speedup over target-only on each prompt set (same run; in brackets its spread):", "",
                   "| T | arm | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-        lines += [f"| {r['temperature']:g} | {r['arm']} | " + " | ".join(str(r["speedup_by_set"][n]) for n in names) + " |"
-                  for r in by_set]
+        lines += [f"| {r['temperature']:g} | {r['arm']} | " + " | ".join(
+            f"{r['speedup_by_set'][n]} ({spread_label(r['speedup_by_set'][n], r.get('speedup_by_set_spread', {}).get(n))})"
+            for n in names) + " |" for r in by_set]
     asd = [r for r in rows if "asd_regret_per_prompt" in r]
     if asd:
         lines += ["", "ASD (lossy) against strict greedy with the same drafter and block length:", "",
-                  "| arm | tok/s vs strict | regret / prompt | outputs differing |", "|---|---|---|---|"]
-        lines += [f"| {r['arm']} | {r['vs_strict']:+.1%} | {r['asd_regret_per_prompt']} | {r['outputs_differing']} |"
-                  for r in asd]
+                  "| arm | tok/s vs strict | spread | regret / prompt | outputs differing |", "|---|---|---|---|---|"]
+        lines += [f"| {r['arm']} | {r['vs_strict']:+.1%} | {_percent_spread(1 + r['vs_strict'], r['vs_strict_spread'])} | "
+                  f"{r['asd_regret_per_prompt']} | {r['outputs_differing']} |" for r in asd]
     return "\n".join(lines) + "\n"
+
+
+def _percent_spread(ratio: float, spread: Optional[float]) -> str:
+    if spread is None:
+        return ""
+    return f"{spread:.1%}" + (f" {NOISY}" if is_noisy(ratio, spread) else "")
 
 
 def plot(rows: List[dict], temperatures: List[float], path: Path) -> None:
@@ -307,17 +382,17 @@ def main(argv=None):
     longest = cfg.inference.k_max if cfg.inference.k == "auto" else cfg.inference.k
     grids = [TreeSizeTuner(a.tree_size - 1).sizes() for a in arms if a.tree_size]  # auto-sized trees: v(n) between
     sizes = sorted({*range(1, longest + 2), *(a.tree_size for a in arms if a.tree_size), *(n for g in grids for n in g)})
-    costs = step_costs(target, prompts[0], sizes)
-    one, v = costs[1], {n: x / costs[1] for n, x in costs.items()}
-    print(f"target step {one * 1e3:.1f} ms; v(n) = " + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()), file=sys.stderr)
+    costs = measure_pass_costs(target, prompts[0], sizes)
+    machine = {"target_step_s": costs.step_s, "target_step_spread": costs.step_spread, "v": costs.v, "v_raw": costs.v_raw,
+               "v_spread": costs.spread, "v_repeats": costs.repeats}
+    print(machine_line(machine), file=sys.stderr)
     measure(arms, prompts, args.temperatures, args.repeats, cfg.inference.seed)
-    rows = table(arms, args.temperatures, one, v, origins)
+    rows = table(arms, args.temperatures, costs.step_s, costs.v, origins)
     out = Path(args.out)
     header = (f"Decode benchmark: {len(prompts)} prompts ({', '.join(args.sets)}), {args.max_new_tokens} new tokens, "
-              f"median of {args.repeats} repeats; target step {one * 1e3:.1f} ms; v(n) = "
-              + ", ".join(f"{n}: {x:.2f}" for n, x in v.items()))
+              f"median of {args.repeats} repeats; " + machine_line(machine))
     atomic_write_json(out / "bench_decode.json", {"prompts": [r["id"] for r in records], "max_new_tokens": args.max_new_tokens,
-                                                  "repeats": args.repeats, "target_step_s": one, "v": v, "rows": rows})
+                                                  "repeats": args.repeats, **machine, "rows": rows})
     atomic_write_text(out / "bench_decode.md", markdown(rows, header))
     plot(rows, args.temperatures, out / "bench_decode.png")
     print(markdown(rows, header))

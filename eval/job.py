@@ -9,13 +9,21 @@ rerun after a crash skips them. The report (report.md + plots) is rebuilt from r
 
 results.json (schema 1; "sha256": of the rest of the file, checked on a rerun — a damaged file is moved aside):
     {"schema": 1, "target": str, "drafter": kind, "settings": {...the eval knobs the numbers depend on...},
-     "machine": {"target_step_s": seconds of one target decode step, "v": {"n": target pass over n tokens ÷ one}},
-     "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs", "target_step_s"}},   target-only
-                                  HF generate, and the target step measured around it
+     "machine": {"target_step_s": seconds of one target decode step (median of "v_repeats" interleaved repeats),
+                 "target_step_spread": its interquartile range ÷ median over the repeats, "v_repeats",
+                 "v": {"n": target pass over n tokens ÷ one, fitted monotone non-decreasing in n (isotonic regression)},
+                 "v_raw": {"n": the median over repeats of each repeat's n-token pass ÷ its 1-token pass},
+                 "v_spread": {"n": interquartile range ÷ median of those ratios}},
+     "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs", "target_step_s",
+                                   "target_step_spread"}},   target-only HF generate, and the target step measured
+                                  around it (median and interquartile range ÷ median of 5 timings before + 5 after)
      "cells": [{"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tree_size", "asd",
                 "prompts", "tokens", "target_passes", "seconds", "tokens_per_s",
                 "target_step_s",  one target step measured around the cell (the machine's speed at the time)
+                "target_step_spread",   interquartile range ÷ median of those step timings (how far the speed moved)
                 "speedup",        over the baseline, drift-corrected: tok/s ÷ (baseline tok/s × baseline step ÷ cell step)
+                "speedup_spread", speedup × (the cell's + the baseline's target_step_spread); the report flags a cell
+                                  whose |speedup − 1| is smaller ("⚠ noisy")
                 "speedup_uncorrected",   tok/s ÷ baseline tok/s as measured (cells run minutes apart)
                 "tau",            tokens per target pass, bonus included
                 "alpha",          accepted drafts / draft positions tried
@@ -37,7 +45,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import statistics
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -56,17 +66,16 @@ from specdrafter.core.io import (
 )
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.eval.acceptance import (
-    alpha_per_token,
-    best_block_length,
-    modal_block_length,
-    per_position_acceptance,
-    position_counts,
-    predicted_speedup,
-    tree_predicted_speedup,
-)
+from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.eval.report import write_report
-from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner, step_costs
+from specdrafter.inference.autotune import (
+    BlockLengthTuner,
+    PassCosts,
+    TreeSizeTuner,
+    measure_pass_costs,
+    relative_spread,
+    time_passes,
+)
 from specdrafter.inference.decode import ASDSettings, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate
 from specdrafter.inference.run import build_proposer, serving_model
@@ -168,6 +177,22 @@ class Results:
         atomic_write_json(self.path, {**self.data, "sha256": json_digest(self.data)})
 
 
+@dataclass(frozen=True)
+class CellContext:
+    """What a cell is decoded with and measured against: shared by every cell of a checkpoint and prompt set, except
+    `step_s`, the target step timed just before the cell."""
+
+    target: torch.nn.Module  # the model that verifies (the target, or a Medusa-2 checkpoint's backbone)
+    chain: object  # the chain proposer (inference/proposers.py)
+    tree: object  # the tree proposer, or None
+    prompts: List[List[int]]  # the set's prompt ids
+    eos: List[int]
+    tokenizer: object
+    step_s: float  # seconds of one target step, just before the cell
+    machine: PassCosts  # v(n) (fitted monotone) and its spread, measured once per results.json
+    out: Path  # the evaluation folder
+
+
 def run_eval(cfg: DictConfig) -> Path:
     """Evaluate every cell not yet in results.json; write results.json, report.md and the plots. Returns the folder."""
     e = cfg.eval
@@ -177,62 +202,91 @@ def run_eval(cfg: DictConfig) -> Path:
     (out / "outputs").mkdir(parents=True, exist_ok=True)
     results = Results(out, cfg)
     verifiers = [v.value for v in e.verifiers]
-    k = cfg.inference.k
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     eos = eos_token_ids(target, tokenizer)
 
     plan = _plan(cfg, checkpoints, list(sets), verifiers)
-    todo = [p for p in plan if results.cell(p["id"]) is None]
+    todo = [cell for cell in plan if results.cell(cell["id"]) is None]
     log.info(f"evaluation: {len(plan)} cells ({len(plan) - len(todo)} already in {results.path}) → {out}")
-    tree_size = 0
     if todo:
-        tree_size = _tree_size(cfg) if any(p["verifier"] in ("tree", "typical") for p in todo) else 0
-        auto = k == "auto" or bool(e.k_sweep)  # an auto-tuned cell will run: its tuner needs v(n) up to k_max + 1
-        longest = max([0 if k == "auto" else k, *e.k_sweep, cfg.inference.k_max if auto else 0])
-        tuner = _tree_tuner(cfg, {}) if tree_size else None  # an auto-sized tree: v(n) on the tuner's grid too
-        sizes = sorted({*range(1, longest + 2), *([tree_size] if tree_size else []), *(tuner.sizes() if tuner else [])})
-        known = results.data["machine"].get("v", {})
-        if not all(str(n) in known for n in sizes):  # measured once per results.json, so every cell shares one v(n)
-            costs = step_costs(target, prompts[next(iter(prompts))][0], sorted({*sizes, *map(int, known)}))
-            results.data["machine"] = {"target_step_s": costs[1], "v": {str(n): t / costs[1] for n, t in costs.items()}}
-            results.save()
-    machine = results.data["machine"]
-    v = {int(n): x for n, x in machine.get("v", {}).items()}
+        _measure_machine(cfg, results, target, prompts[next(iter(prompts))][0], todo)
+    machine = machine_costs(results.data["machine"])
 
     bar = tqdm(total=len(todo), desc="eval cells", unit="cell")
     loaded: Dict[str, tuple] = {}
-    for p in todo:
-        base_id = f"{p['set']}|T={p['temperature']}"
+    for cell in todo:
+        base_id = f"{cell['set']}|T={cell['temperature']}"
         if base_id not in results.data["baselines"]:
-            results.data["baselines"][base_id] = _baseline(target, prompts[p["set"]], p["temperature"], e.max_new_tokens,
-                                                           eos, out, base_id, tokenizer)
+            results.data["baselines"][base_id] = _baseline(target, prompts[cell["set"]], cell["temperature"],
+                                                           e.max_new_tokens, eos, out, base_id, tokenizer)
             results.save()
-        ckpt = p.pop("_checkpoint")
+        ckpt = cell.pop("_checkpoint")
         if ckpt.name not in loaded:
             loaded.clear()  # one checkpoint's proposers in memory at a time
             loaded[ckpt.name] = _proposers(cfg, ckpt, target, verifiers)
         serving, chain, tree = loaded[ckpt.name]
-        before = target_step(target, prompts[p["set"]][0])
-        cell = _run_cell(cfg, p, serving, chain, tree, prompts[p["set"]], eos, before, v, out, tokenizer)
-        cell["target_step_s"] = round((before + target_step(target, prompts[p["set"]][0])) / 2, 5)
-        base = results.data["baselines"][base_id]
-        cell["speedup_uncorrected"] = round(cell["tokens_per_s"] / base["tokens_per_s"], 3)
-        # the baseline's speed had the machine run as fast as during this cell (uniform drift: speeds ∝ 1 / step)
-        drift = base["target_step_s"] / cell["target_step_s"] if base.get("target_step_s") else 1.0
-        cell["speedup"] = round(cell["tokens_per_s"] / (base["tokens_per_s"] * drift), 3)
-        cell["answer_accuracy"] = answer_accuracy(out / cell["outputs"], sets[p["set"]])
-        if cell["predicted_speedup"]:
-            cell["measured_over_predicted"] = round(cell["speedup"] / cell["predicted_speedup"], 3)
-        results.add(cell)
+        first = prompts[cell["set"]][0]
+        before = step_times(target, first)
+        context = CellContext(serving, chain, tree, prompts[cell["set"]], eos, tokenizer, statistics.median(before),
+                              machine, out)
+        measured = _run_cell(cfg, cell, context)
+        steps = before + step_times(target, first)  # the machine's speed around the cell, and how much it moved
+        measured.update(target_step_s=round(statistics.median(steps), 5),
+                        target_step_spread=round(relative_spread(steps), 4))
+        _compare_with_baseline(measured, results.data["baselines"][base_id])
+        measured["answer_accuracy"] = answer_accuracy(out / measured["outputs"], sets[cell["set"]])
+        results.add(measured)
         bar.update()
-        bar.set_postfix(cell=p["id"], tau=cell["tau"], alpha=cell["alpha"])
+        bar.set_postfix(cell=cell["id"], tau=measured["tau"], alpha=measured["alpha"])
     bar.close()
 
     write_report(results.data, out)
     if e.wandb:
         _log_wandb(cfg, results.data, out)
     return out
+
+
+def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int], todo: List[dict]) -> None:
+    """v(n) for every pass size a planned cell needs (up to k_max + 1 when a block length is auto-tuned, the tree's
+    size and an auto-sized tree's grid), measured once per results.json so that every cell shares one v(n)."""
+    e, k = cfg.eval, cfg.inference.k
+    tree_size = _tree_size(cfg) if any(cell["verifier"] in ("tree", "typical") for cell in todo) else 0
+    auto = k == "auto" or bool(e.k_sweep)  # an auto-tuned cell will run: its tuner needs v(n) up to k_max + 1
+    longest = max([0 if k == "auto" else k, *e.k_sweep, cfg.inference.k_max if auto else 0])
+    tuner = _tree_tuner(cfg, None) if tree_size else None  # an auto-sized tree: v(n) on the tuner's grid too
+    sizes = {*range(1, longest + 2), *([tree_size] if tree_size else []), *(tuner.sizes() if tuner else [])}
+    known = results.data["machine"].get("v", {})
+    if all(str(n) in known for n in sizes):
+        return
+    costs = measure_pass_costs(target, prompt, sorted({*sizes, *map(int, known)}))
+    results.data["machine"] = {
+        "target_step_s": costs.step_s, "target_step_spread": round(costs.step_spread, 4), "v_repeats": costs.repeats,
+        "v": {str(n): x for n, x in costs.v.items()}, "v_raw": {str(n): x for n, x in costs.v_raw.items()},
+        "v_spread": {str(n): round(x, 4) for n, x in costs.spread.items()}}
+    results.save()
+
+
+def machine_costs(machine: dict) -> PassCosts:
+    """results.json's "machine" as the tuners and predictions use it (a file without the raw medians or the
+    spread, from before they were recorded: its v is fitted monotone now and its spread is unknown)."""
+    raw = machine.get("v_raw") or machine.get("v") or {"1": 1.0}
+    return PassCosts(machine.get("target_step_s", 0.0), {int(n): x for n, x in raw.items()},
+                     {int(n): x for n, x in machine.get("v_spread", {}).items()}, machine.get("target_step_spread", 0.0),
+                     machine.get("v_repeats", 1))
+
+
+def _compare_with_baseline(cell: dict, base: dict) -> None:
+    """The cell's speedups over its baseline, and the spread of the drift-corrected one."""
+    cell["speedup_uncorrected"] = round(cell["tokens_per_s"] / base["tokens_per_s"], 3)
+    # the baseline's speed had the machine run as fast as during this cell (uniform drift: speeds ∝ 1 / step)
+    drift = base["target_step_s"] / cell["target_step_s"] if base.get("target_step_s") else 1.0
+    cell["speedup"] = round(cell["tokens_per_s"] / (base["tokens_per_s"] * drift), 3)
+    # how far the machine's speed moved around the cell and around the baseline bounds what the ratio can tell
+    spreads = [cell.get("target_step_spread"), base.get("target_step_spread")]
+    cell["speedup_spread"] = None if None in spreads else round(cell["speedup"] * sum(spreads), 3)
+    if cell["predicted_speedup"]:
+        cell["measured_over_predicted"] = round(cell["speedup"] / cell["predicted_speedup"], 3)
 
 
 def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verifiers: List[str]) -> List[dict]:
@@ -279,10 +333,10 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     return serving, build_proposer(chain, serving), tree
 
 
-def target_step(target, prompt: List[int]) -> float:
-    """Seconds of one target decode step right now (median of 5): the yardstick that corrects speeds measured
-    minutes apart for the machine's drift."""
-    return step_costs(target, prompt, [1], repeats=5)[1]
+def step_times(target, prompt: List[int], repeats: int = 5) -> List[float]:
+    """Seconds of `repeats` target decode steps right now: the yardstick that corrects speeds measured minutes apart
+    for the machine's drift, and (its spread) how far the machine's speed moved meanwhile."""
+    return time_passes(target, prompt, [1], repeats)[1]
 
 
 @torch.no_grad()
@@ -290,7 +344,7 @@ def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base
     """Target-only decoding of the same prompts with HF `generate`: the speed every speedup is measured against,
     with the target step measured around it."""
     sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
-    before = target_step(target, prompts[0])
+    before = step_times(target, prompts[0])
     tokens, seconds, rows = 0, 0.0, []
     for i, prompt in enumerate(prompts):
         torch.manual_seed(i)
@@ -302,67 +356,48 @@ def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base
         rows.append({"tokens": ids, "text": tokenizer.decode(ids, skip_special_tokens=True)})
     name = f"outputs/baseline-{_slug(base_id)}.jsonl"
     atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
-    step = (before + target_step(target, prompts[0])) / 2
+    steps = before + step_times(target, prompts[0])
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "outputs": name,
-            "target_step_s": round(step, 5)}
+            "target_step_s": round(statistics.median(steps), 5), "target_step_spread": round(relative_spread(steps), 4)}
 
 
-def _run_cell(cfg, p: dict, target, chain, tree, prompts, eos, one: float, v: Dict[int, float], out: Path,
-              tokenizer) -> dict:
-    """Decode every prompt of the cell through the loop and measure it."""
-    temperature, verifier = p["temperature"], p["verifier"]
+def _run_cell(cfg: DictConfig, cell: dict, context: CellContext) -> dict:
+    """Decode every prompt of the planned `cell` through the loop and measure it: the cell's row of results.json
+    (without the comparison with its baseline, which `run_eval` adds)."""
+    temperature, verifier, prompts = cell["temperature"], cell["verifier"], context.prompts
     # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
-    costs = {n: x * one for n, x in v.items()}
-    block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if p["k"] == "auto" else p["k"]
-    if verifier == "tree" and hasattr(tree, "tuner"):  # a fresh tree-size tuner per cell (acceptance differs with T)
-        tree.tuner = _tree_tuner(cfg, costs)
+    costs = replace(context.machine, step_s=context.step_s)
+    block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if cell["k"] == "auto" else cell["k"]
+    if verifier == "tree" and hasattr(context.tree, "tuner"):  # a fresh tree-size tuner per cell (acceptance differs with T)
+        context.tree.tuner = _tree_tuner(cfg, costs)
     params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
-    asd = ASDSettings(*p["asd"]) if p["asd"] else None
+    asd = ASDSettings(*cell["asd"]) if cell["asd"] else None
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
     for i, prompt in enumerate(prompts):
         generator = torch.Generator().manual_seed(cfg.inference.seed + i)
         start = time.perf_counter()
         if verifier == "typical":
-            r = typical_generate(target, tree, prompt, cfg.eval.max_new_tokens, temperature, cfg.inference.typical.eps,
-                                 cfg.inference.typical.delta, eos, generator)
+            r = typical_generate(context.target, context.tree, prompt, cfg.eval.max_new_tokens, temperature,
+                                 cfg.inference.typical.eps, cfg.inference.typical.delta, context.eos, generator)
         elif verifier == "tree":
-            r = tree_speculative_generate(target, tree, prompt, cfg.eval.max_new_tokens, params, eos, generator)
+            r = tree_speculative_generate(context.target, context.tree, prompt, cfg.eval.max_new_tokens, params,
+                                          context.eos, generator)
         else:
-            r = speculative_generate(target, chain, prompt, cfg.eval.max_new_tokens, params, block, eos, asd, generator,
-                                     record_tv=verifier == "chain")
+            r = speculative_generate(context.target, context.chain, prompt, cfg.eval.max_new_tokens, params, block,
+                                     context.eos, asd, generator, record_tv=verifier == "chain")
         seconds += time.perf_counter() - start - sum(c.tv_s for c in r.cycles)  # the D_TV audit is not decoding time
         cycles += r.cycles
         regret += r.asd_regret
-        rows.append({"id": i, "tokens": r.tokens, "text": tokenizer.decode(r.tokens, skip_special_tokens=True)})
+        rows.append({"id": i, "tokens": r.tokens, "text": context.tokenizer.decode(r.tokens, skip_special_tokens=True)})
     tokens = sum(len(r["tokens"]) for r in rows)
-    alpha = alpha_per_token(cycles)
-    drafting_calls = sum(x.drafted for x in cycles) if verifier in ("chain", "asd") else len(cycles)
-    c = sum(x.draft_s for x in cycles) / max(drafting_calls, 1) / one
-    cell = dict(p)
-    cell.update(tree_size=_tree_size(cfg) if verifier in ("tree", "typical") else None, prompts=len(prompts),
-                tokens=tokens, target_passes=len(cycles), seconds=round(seconds, 3),
-                tokens_per_s=round(tokens / seconds, 3), tau=round(tokens / max(len(cycles), 1), 3), alpha=round(alpha, 4),
-                per_position=[None if a is None else round(a, 4) for a in per_position_acceptance(cycles)],
-                per_position_n=position_counts(cycles),
-                mean_tv=None, alpha_tv_gap=None, c=round(c, 4), predicted_speedup=None, measured_over_predicted=None,
-                best_k=None, asd_regret=round(regret / len(prompts), 4) if asd else None)
-    tvs = [t for x in cycles for t in (x.tv or [])]
-    if tvs:
-        cell["mean_tv"] = round(sum(tvs) / len(tvs), 4)
-        cell["alpha_tv_gap"] = round(alpha - (1 - sum(tvs) / len(tvs)), 4)
-    k = modal_block_length(cycles)  # = p["k"] unless auto-tuned: where the tuner settled
-    cell["k_used"] = k if verifier in ("chain", "asd") else None
-    if verifier in ("chain", "asd") and k + 1 in v:
-        cell["predicted_speedup"] = round(predicted_speedup(alpha, k, c, v[k + 1]), 3)
-        cell["best_k"] = best_block_length(alpha, c, v)
-    if verifier in ("tree", "typical"):
-        cell["mean_tree_size"] = round(sum(x.size for x in cycles) / max(len(cycles), 1), 2)
-        if cell["tree_size"] in v:  # τ measured; a cycle costs the tree pass + drafting
-            cell["predicted_speedup"] = round(tree_predicted_speedup(cell["tau"], cycles, c, v), 3)
-    name = f"outputs/{_slug(p['id'])}.jsonl"
-    atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
-    cell["outputs"] = name
-    return cell
+    chain = verifier in ("chain", "asd")
+    metrics = cycle_metrics(cycles, tokens, context.step_s, context.machine.v, chain).rounded()
+    del metrics["verifier_per_token_vs_target_step"]  # the decode benchmark's column, not results.json's
+    name = f"outputs/{_slug(cell['id'])}.jsonl"
+    atomic_write_text(context.out / name, "".join(json.dumps(r) + "\n" for r in rows))
+    return {**cell, "tree_size": None if chain else _tree_size(cfg), "prompts": len(prompts), **metrics,
+            "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "measured_over_predicted": None,
+            "asd_regret": round(regret / len(prompts), 4) if asd else None, "outputs": name}
 
 
 def final_number(text: str) -> Optional[str]:
@@ -382,7 +417,7 @@ def answer_accuracy(outputs: Path, records: List[dict]) -> Optional[float]:
     return round(sum(final_number(t) == final_number(ref) for t, ref in zip(texts, refs)) / len(refs), 4)
 
 
-def _tree_tuner(cfg: DictConfig, costs: Dict[int, float]) -> Optional[TreeSizeTuner]:
+def _tree_tuner(cfg: DictConfig, costs: Optional[PassCosts]) -> Optional[TreeSizeTuner]:
     """The dynamic tree's size tuner with the job's measured costs, or None (a static tree, or auto_size off)."""
     dyn = cfg.inference.dynamic_tree
     return TreeSizeTuner(dyn.total_tokens, step_costs=costs) if dyn.total_tokens and dyn.auto_size else None

@@ -16,7 +16,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from specdrafter.core.io import atomic_write_text  # noqa: E402
-from specdrafter.eval.acceptance import predicted_speedup  # noqa: E402
+from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, is_noisy, predicted_speedup, spread_label  # noqa: E402
 
 MIN_SAMPLES = 5  # fewest cycles behind a point of the acceptance-by-position plot
 
@@ -25,17 +25,19 @@ def write_report(data: dict, out: Path) -> Path:
     cells = data["cells"]
     newest = _newest(cells)
     lines = [f"# Acceptance report: {data['drafter']} drafter for {data['target']}", ""]
-    s, m = data["settings"], data.get("machine", {})
-    lines += [f"{s['num_prompts']} prompts per set, up to {s['max_new_tokens']} new tokens each; target step "
-              f"{m.get('target_step_s', 0) * 1e3:.1f} ms on this machine; v(n) = "
-              + ", ".join(f"{n}: {x:.2f}" for n, x in m.get("v", {}).items()), ""]
+    s = data["settings"]
+    lines += [f"{s['num_prompts']} prompts per set, up to {s['max_new_tokens']} new tokens each; "
+              + machine_line(data.get("machine", {})), ""]
     main = [c for c in cells if c["checkpoint"] == newest and not c["sweep"] and c["verifier"] != "asd"]
     lines += ["Speedups are over target-only HF `generate` on the same prompts, corrected for the machine's drift "
               "between the baseline and each cell (a target step is timed around both: tok/s ÷ (baseline tok/s × "
-              "baseline step ÷ cell step)); `uncorrected` is the plain ratio.", ""]
+              "baseline step ÷ cell step)); `uncorrected` is the plain ratio. `spread` = speedup × (interquartile range "
+              "÷ median of the target-step timings around the cell + around its baseline): how far the machine's speed "
+              "moved while they ran.", "", NOISY_LEGEND, ""]
     lines += [f"## Checkpoint {newest}", "", _table(main, [
         ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", _shape), ("α", "alpha"),
-        ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("uncorrected", "speedup_uncorrected"),
+        ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("spread", _spread),
+        ("uncorrected", "speedup_uncorrected"),
         ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"),
         ("α − (1 − D_TV)", "alpha_tv_gap"),
         ("c", "c"), ("best k", "best_k"), ("GSM8K acc.", "answer_accuracy")]), ""]
@@ -46,7 +48,7 @@ def write_report(data: dict, out: Path) -> Path:
     if len({c["checkpoint"] for c in steps}) > 1:
         lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
             ("checkpoint", "checkpoint"), ("step", "step"), ("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
-            ("α", "alpha"), ("τ", "tau"), ("speedup", "speedup")]), ""]
+            ("α", "alpha"), ("τ", "tau"), ("speedup", "speedup"), ("spread", _spread)]), ""]
     sweep = [c for c in cells if c["sweep"]]
     if sweep:  # the auto cell is planned once: as a main cell when inference.k is auto, so fetch it from there
         ref = sweep[0]
@@ -56,15 +58,17 @@ def write_report(data: dict, out: Path) -> Path:
     if sweep:
         lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", _table(sweep, [
             ("k", _shape), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), ("measured speedup", "speedup"),
-            ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
+            ("spread", _spread), ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
     audit = asd_audit(data, out)
     if audit:
         lines += ["## ASD audit (T = 0, strict greedy vs approximate speculative decoding)", "", _table(audit, [
-            ("set", "set"), ("setting", "setting"), ("tok/s", "tokens_per_s"), ("vs strict", "vs_strict"), ("τ", "tau"),
+            ("set", "set"), ("setting", "setting"), ("tok/s", "tokens_per_s"), ("vs strict", "vs_strict"),
+            ("spread", "vs_strict_spread"), ("τ", "tau"),
             ("regret / prompt", "asd_regret"), ("outputs differing", "differs"), ("GSM8K acc.", "answer_accuracy")]), ""]
     lines += ["## Target-only baselines (HF generate)", "", _table(
-        [{"cell": k.replace("|", ", "), **b} for k, b in data["baselines"].items()], [("set, T", "cell"), ("tokens", "tokens"),
-                                                                     ("tok/s", "tokens_per_s")]), ""]
+        [{"cell": k.replace("|", ", "), **b} for k, b in data["baselines"].items()], [
+            ("set, T", "cell"), ("tokens", "tokens"), ("tok/s", "tokens_per_s"),
+            ("target-step spread", "target_step_spread")]), ""]
     plots = [_plot_positions(main, out), _plot_steps(steps, out), _plot_sweep(sweep, data, out)]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p]
     return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
@@ -80,12 +84,16 @@ def asd_audit(data: dict, out: Path) -> List[dict]:
         if strict is None:
             continue
         if not rows or rows[-1]["set"] != c["set"]:
-            rows.append({**strict, "setting": "strict", "vs_strict": "", "differs": ""})
+            rows.append({**strict, "setting": "strict", "vs_strict": "", "vs_strict_spread": "", "differs": ""})
         mine, theirs = _outputs(out / c["outputs"]), _outputs(out / strict["outputs"])
         differs = sum(a != b for a, b in zip(mine, theirs)) / max(len(mine), 1)
         budget, gate, mismatches = c["asd"]
+        ratio = c["tokens_per_s"] / strict["tokens_per_s"]
+        spreads = [c.get("target_step_spread"), strict.get("target_step_spread")]  # the machine around each cell
+        spread = None if None in spreads else ratio * sum(spreads)
+        label = "" if spread is None else f"{100 * spread:.1f} %" + (f" {NOISY}" if is_noisy(ratio, spread) else "")
         rows.append({**c, "setting": f"ASD B={budget:g} g={gate:g} M={mismatches:g}", "differs": round(differs, 3),
-                     "vs_strict": f"{100 * (c['tokens_per_s'] / strict['tokens_per_s'] - 1):+.1f} %"})
+                     "vs_strict": f"{100 * (ratio - 1):+.1f} %", "vs_strict_spread": label})
     return rows
 
 
@@ -101,6 +109,27 @@ def _positions(c: dict) -> str:
     counts = c.get("per_position_n") or [None] * len(c["per_position"])
     return " ".join(("–" if a is None else f"{a:.2f}") + ("" if n is None else f" [{n}]")
                     for a, n in zip(c["per_position"], counts))
+
+
+def machine_line(m: dict) -> str:
+    """The target step and v(n) of results.json's "machine": the monotone fit every number uses, and — when they
+    were recorded — the raw medians and the spread over repeats in brackets."""
+    raw, spread = m.get("v_raw", {}), m.get("v_spread", {})
+    step = f"target step {m.get('target_step_s', 0) * 1e3:.1f} ms"
+    if "target_step_spread" in m:
+        step += f" (spread {100 * m['target_step_spread']:.0f} %)"
+
+    def one(n: str, x: float) -> str:
+        extra = [f"raw {raw[n]:.2f}"] if n in raw and abs(raw[n] - x) >= 0.005 else []
+        extra += [f"spread {100 * spread[n]:.0f} %"] if spread.get(n) else []
+        return f"{n}: {x:.2f}" + (f" [{', '.join(extra)}]" if extra else "")
+    fit = " (fitted monotone; [raw median, spread over repeats])" if raw else ""
+    return f"{step} on this machine; v(n){fit} = " + ", ".join(one(n, x) for n, x in m.get("v", {}).items())
+
+
+def _spread(c: dict) -> str:
+    """A cell's speedup spread, flagged when it exceeds the effect (|speedup − 1|)."""
+    return spread_label(c.get("speedup"), c.get("speedup_spread"))
 
 
 def _shape(c: dict) -> str:

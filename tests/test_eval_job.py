@@ -100,6 +100,8 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
 
     assert data["schema"] == 1 and data["drafter"] == "draft_model"
     assert set(data["machine"]["v"]) == {str(n) for n in range(1, 10)} and data["machine"]["v"]["1"] == 1.0  # up to k_max + 1
+    v = [data["machine"]["v"][str(n)] for n in range(1, 10)]  # fitted monotone; the raw medians and spread beside
+    assert v == sorted(v) and set(data["machine"]["v_raw"]) == set(data["machine"]["v_spread"]) == set(data["machine"]["v"])
     assert set(data["baselines"]) == {"mtbench|T=0.0", "mtbench|T=1.0", "gsm8k|T=0.0", "gsm8k|T=1.0"}
     for c in data["cells"]:
         assert {"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tokens", "target_passes",
@@ -111,6 +113,8 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
         drift = base["target_step_s"] / c["target_step_s"]
         assert c["speedup"] == pytest.approx(c["tokens_per_s"] / (base["tokens_per_s"] * drift), rel=5e-3, abs=2e-3)
         assert c["speedup_uncorrected"] == pytest.approx(c["tokens_per_s"] / base["tokens_per_s"], rel=5e-3, abs=2e-3)
+        spread = c["speedup"] * (c["target_step_spread"] + base["target_step_spread"])  # the machine around both
+        assert c["speedup_spread"] == pytest.approx(spread, abs=2e-3)
         assert len(c["per_position_n"]) == len(c["per_position"]) and c["per_position_n"][0] == c["target_passes"]
         assert 0 <= c["alpha"] <= 1 and c["c"] > 0
         assert len(c["per_position"]) == c["k"] if c["k"] != "auto" else len(c["per_position"]) >= c["k_used"]
@@ -130,6 +134,7 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
 
     report = (out / "report.md").read_text()
     assert "## ASD audit" in report and "## Speedup vs k" in report and "## By checkpoint" in report
+    assert "| speedup | spread |" in report and "⚠ noisy:" in report  # the spread beside every speedup, and the legend
     for name in ["acceptance_by_position.png", "by_step.png", "speedup_vs_k.png"]:
         png = (out / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
@@ -189,8 +194,9 @@ def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
     data = json.loads((tmp_path / "bench_decode.json").read_text())
     arms = [(r["temperature"], r["arm"]) for r in data["rows"]]
     assert arms == [(t, a) for t in (0.0, 1.0) for a in ("target", "hf_assisted", "draft_model_chain", "draft_model_tree")]
+    assert data["v"]["1"] == 1.0 and set(data["v_raw"]) == set(data["v_spread"]) == set(data["v"])
     for r in data["rows"]:
-        assert len(r["repeats"]) == 2 and r["tokens_per_s"] > 0
+        assert len(r["repeats"]) == 2 and r["tokens_per_s"] > 0 and r["speedup_spread"] >= 0
         if r["arm"].startswith("draft_model"):
             assert {"tau", "alpha", "c", "predicted_speedup", "measured_over_predicted"} <= set(r)
     target_row = next(r for r in data["rows"] if r["arm"] == "target")
@@ -202,6 +208,37 @@ def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+def test_report_and_benchmark_flag_a_speedup_within_its_spread(tmp_path):
+    """Every speedup is printed with its spread; one whose |speedup − 1| is smaller is marked, with a legend."""
+    from specdrafter.eval.bench_decode import markdown
+    from specdrafter.eval.report import write_report
+
+    def cell(name, speedup, spread):
+        return {"id": name, "checkpoint": "step-000004", "step": None, "set": name, "temperature": 0.0, "verifier": "chain",
+                "k": 2, "tree_size": None, "asd": None, "sweep": False, "alpha": 0.3, "tau": 1.3, "tokens_per_s": 10.0,
+                "speedup": speedup, "speedup_spread": spread, "speedup_uncorrected": speedup, "per_position": [0.3, 0.2],
+                "per_position_n": [10, 3], "outputs": f"outputs/{name}.jsonl"}
+    data = {"drafter": "draft_model", "target": "tiny", "settings": {"num_prompts": 2, "max_new_tokens": 8},
+            "machine": {"target_step_s": 0.01, "target_step_spread": 0.03, "v": {"1": 1.0, "2": 1.2, "3": 1.2},
+                        "v_raw": {"1": 1.0, "2": 1.25, "3": 1.15}, "v_spread": {"1": 0.0, "2": 0.04, "3": 0.05}},
+            "baselines": {}, "cells": [cell("noisy", 1.05, 0.08), cell("clear", 1.5, 0.05), cell("old", 1.02, None)]}
+    report = write_report(data, tmp_path).read_text()
+    rows = {}
+    for line in report.splitlines():  # the first table's row of each set
+        if line.startswith("| "):
+            rows.setdefault(line.split(" | ")[0].strip("| "), line)
+    assert "| 1.05 | 0.08 ⚠ noisy |" in rows["noisy"] and "| 1.5 | 0.05 |" in rows["clear"]
+    assert "| 1.02 |  |" in rows["old"]  # results.json from before spreads were recorded: nothing to flag
+    assert "⚠ noisy: the speedup's spread is larger than its distance from 1×" in report
+    assert "2: 1.20 [raw 1.25, spread 4 %]" in report and "target step 10.0 ms (spread 3 %)" in report
+
+    bench = [{"temperature": 0.0, "arm": "target", "shape": "", "tokens_per_s": 10, "speedup": 1.0, "speedup_spread": 0.0},
+             {"temperature": 0.0, "arm": "eagle3_chain", "shape": "k=1", "tokens_per_s": 10.4, "speedup": 1.04,
+              "speedup_spread": 0.09}]
+    md = markdown(bench, "header")
+    assert "| 1.04 | 0.09 ⚠ noisy |" in md and "| 1.0 | 0 |" in md and "⚠ noisy: the speedup's spread" in md
+
+
 def test_final_number_and_answer_accuracy(tmp_path):
     assert final_number("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == "18"
     assert final_number("so the total is 1,250.") == "1250"
