@@ -67,6 +67,7 @@ def write_prompts(path: Path, tokenizer, context: int, count: int, max_new_token
     rows += [{"id": "at_limit", "prompt": limit}, {"id": "at_limit_2", "prompt": limit},
              {"id": "past_limit", "prompt": limit + " word word"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.with_name("prompts-fit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
     return {"prompts": len(rows), "at_limit_tokens": len(user_prompt_ids(tokenizer, limit)), "context": context}
 
 
@@ -102,13 +103,24 @@ def main(argv=None) -> dict:
     totals = decode_file(cfg, on_prompt=lambda i: samples.append(rss_mib()))
     report["decode"] = {**totals, "wall_s": round(time.perf_counter() - start, 1), **growth(samples, len(samples))}
 
-    # the evaluation job over the same prompts (baseline + one chain cell at T = 0), RSS sampled in the background
-    cfg = load_recipe(RECIPE, [*common, f"output_dir={out / 'eval-run'}", f"eval.sets=[{out / 'prompts.jsonl'}]",
-                               f"eval.num_prompts={args.prompts}", "eval.temperatures=[0]", "eval.verifiers=[chain]",
-                               "eval.k_sweep=[]", "eval.asd_sweep=[]", f"eval.max_new_tokens={args.max_new_tokens}",
-                               f"eval.output_dir={out / 'eval'}"])
+    # the evaluation job: the prompt past the limit is refused before any pass, in one line
+    def eval_recipe(prompts: Path):
+        return load_recipe(RECIPE, [*common, f"output_dir={out / 'eval-run'}", f"eval.sets=[{prompts}]",
+                                    f"eval.num_prompts={args.prompts}", "eval.temperatures=[0]", "eval.verifiers=[chain]",
+                                    "eval.k_sweep=[]", "eval.asd_sweep=[]", f"eval.max_new_tokens={args.max_new_tokens}",
+                                    f"eval.output_dir={out / 'eval'}"])
     for stale in (out / "eval").glob("results.json"):
         stale.unlink()
+    start = time.perf_counter()
+    try:
+        run_eval(eval_recipe(out / "prompts.jsonl"))
+        report["eval_refusal"] = "not refused"
+    except SpecdrafterError as e:
+        report["eval_refusal"] = {"error": str(e), "after_s": round(time.perf_counter() - start, 1)}
+    # ... and the rest (baseline + one chain cell at T = 0) runs, RSS sampled in the background
+    for stale in (out / "eval").glob("results.json"):
+        stale.unlink()
+    cfg = eval_recipe(out / "prompts-fit.jsonl")
     samples, done = [], threading.Event()
 
     def sample():

@@ -204,6 +204,7 @@ def run_eval(cfg: DictConfig) -> Path:
     verifiers = [v.value for v in e.verifiers]
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
+    check_room(cfg, sets, prompts, target.config.max_position_embeddings)  # before any pass: one line, nothing lost
     eos = eos_token_ids(target, tokenizer)
 
     plan = _plan(cfg, checkpoints, list(sets), verifiers)
@@ -421,6 +422,22 @@ def _tree_tuner(cfg: DictConfig, costs: Optional[PassCosts]) -> Optional[TreeSiz
     """The dynamic tree's size tuner with the job's measured costs, or None (a static tree, or auto_size off)."""
     dyn = cfg.inference.dynamic_tree
     return TreeSizeTuner(dyn.total_tokens, step_costs=costs) if dyn.total_tokens and dyn.auto_size else None
+
+
+def check_room(cfg: DictConfig, sets: Dict[str, List[dict]], prompts: Dict[str, List[List[int]]], context: int) -> None:
+    """Every prompt must leave the target's context room for eval.max_new_tokens and the largest draft block or tree
+    a cell verifies: found after an hour of measuring, it would stop the job; found here, it is one line."""
+    inf = cfg.inference
+    k_sweep = list(cfg.eval.k_sweep) if "chain" in [v.value for v in cfg.eval.verifiers] else []
+    block = max([inf.k_max if inf.k == "auto" else inf.k, *k_sweep, _tree_size(cfg) - 1])
+    room = context - cfg.eval.max_new_tokens - block
+    for name, ids in prompts.items():
+        for record, prompt in zip(sets[name], ids):
+            if len(prompt) > room:
+                raise SpecdrafterError(f"prompt {record['id']!r} of eval set {name!r} has {len(prompt)} tokens: with "
+                                       f"eval.max_new_tokens {cfg.eval.max_new_tokens} and draft blocks of up to {block} "
+                                       f"it exceeds the target's context of {context} tokens; remove it or lower "
+                                       "eval.max_new_tokens")
 
 
 def _tree_size(cfg: DictConfig) -> int:

@@ -278,6 +278,13 @@ def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
         run_eval(eval_recipe(tiny_target, run_dir, tmp_path, "drafter.kind=eagle3"))
     with pytest.raises(RecipeError, match="tree needs inference.tree"):
         eval_recipe(tiny_target, run_dir, tmp_path, "eval.verifiers=[tree]")
+    long = tmp_path / "long.jsonl"  # 490 + 8 new tokens + a block of 3 fit in 512; the k sweep's largest does too
+    long.write_text(json.dumps({"id": "fits", "prompt": "word " * 470}) + "\n"
+                    + json.dumps({"id": "too-long", "prompt": "word " * 520}) + "\n")
+    with pytest.raises(SpecdrafterError, match="prompt 'too-long' of eval set 'long' has .* context of 512 tokens"):
+        run_eval(eval_recipe(tiny_target, run_dir, tmp_path / "long-eval", f"eval.sets=[{long}]"))
+    assert not (tmp_path / "long-eval" / "results.json").exists() or not json.loads(
+        (tmp_path / "long-eval" / "results.json").read_text())["cells"]  # refused before any pass
     done = subprocess.run([sys.executable, "launch/eval_acceptance.py", "recipes/smollm2-135m-draft.yaml",
                            f"checkpoint={tmp_path / 'missing'}", f"target.model={tiny_target}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
