@@ -67,7 +67,8 @@ BUILTIN_DIRS = {"smollm2-135m-instruct": SMOLLM2_DIR}  # built-in target → its
 MEDUSA_REPO_HEADS = 5  # the Medusa repo's MedusaModel.from_pretrained builds this many heads whatever the config says
 ENGINES = {  # --format → the engine versions known to load it (their own code on CPU; issue 15), for the model card
     "vllm": "vLLM 0.32.0 and 0.33.0 load this folder unchanged (other versions are not checked)",
-    "sglang": "SGLang 0.5.23 loads this folder unchanged (other versions are not checked)",
+    "sglang": ("SGLang 0.5.23 loads this folder unchanged: its weight loader maps every tensor (checked on CPU; its "
+               "module needs CUDA and was not built; other versions are not checked)"),
     "speculators": ("vLLM 0.32.0 and 0.33.0 and the speculators library's own loader load this folder unchanged "
                     "(other versions are not checked)"),
     "medusa-vllm": ("vLLM 0.32.0 loads this folder unchanged; vLLM 0.33 has no Medusa method (`medusa` is not an "
