@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -144,6 +145,31 @@ def read_safetensors(path: Path) -> dict:
     if problem:
         raise SpecdrafterError(f"{str(path)!r} {problem}")
     return load_file(str(path))
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def mmap_safetensors(path: Path) -> dict:
+    """The tensors of a safetensors file as zero-copy views of a private read-only memory map: pages are read when
+    touched and stay in the page cache, which the OS can evict, rather than in the process's own memory — so a cache
+    of hidden states larger than RAM can be trained on. Anything wrong with the file is one SpecdrafterError."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise SpecdrafterError(f"{str(path)!r} {problem}")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    data = torch.from_file(str(path), shared=False, size=Path(path).stat().st_size, dtype=torch.uint8)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        out[name] = data[start:end].view(SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
+    return out
 
 
 def check_model_folder(folder: Path, what: str) -> Path:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from specdrafter.core.io import SpecdrafterError, json_file_problem, read_safetensors
+from specdrafter.core.io import SpecdrafterError, json_file_problem, mmap_safetensors
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.regenerate import load_generated
 
@@ -138,14 +138,14 @@ def load_features(data_dir: Path, layer_ids: Sequence[int], num_conversations: i
     files = sorted((data_dir / "hidden").glob("shard-*.safetensors"))[:num_shards]
     out: Dict[int, List[torch.Tensor]] = {k: [] for k in layer_ids}
     for path in files:
-        tensors = read_safetensors(path)
+        tensors = mmap_safetensors(path)  # views of a memory map: the cache may be larger than RAM
         missing = [k for k in layer_ids if f"layer_{k}" not in tensors]
         if missing:
             raise SpecdrafterError(f"{path} caches no hidden states of layer {missing[0]}; add it to the data recipe's "
                                    "data.hidden_states.layer_ids and rerun the data job, or set train.features=online")
         offsets = tensors["offsets"].tolist()
         for k in layer_ids:
-            out[k].extend(tensors[f"layer_{k}"][a:b][:max_length].clone() for a, b in zip(offsets, offsets[1:]))
+            out[k].extend(tensors[f"layer_{k}"][a:b][:max_length] for a, b in zip(offsets, offsets[1:]))
         if len(out[layer_ids[0]]) >= num_conversations:  # a prefix of the dataset (train.data_tokens) needs no more
             out = {k: rows[:num_conversations] for k, rows in out.items()}
             break
