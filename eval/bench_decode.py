@@ -184,7 +184,7 @@ def chain_decoder(setup: Setup, proposer, asd: Optional[ASDSettings] = None) -> 
 def tree_decoder(setup: Setup, proposer) -> Decode:
     """Our tree loop; an auto-sized dynamic tree gets one tree-size tuner per temperature, sharing one calibration
     made before any timing."""
-    sized, tuners = getattr(proposer, "tuner", None), {}
+    sized, tuners = proposer.tuner, {}
     if sized is not None:
         sized.calibrate(setup.target, [1] * 16)
 

@@ -369,7 +369,7 @@ def _run_cell(cfg: DictConfig, cell: dict, context: CellContext) -> dict:
     # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
     costs = replace(context.machine, step_s=context.step_s)
     block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if cell["k"] == "auto" else cell["k"]
-    if verifier == "tree" and hasattr(context.tree, "tuner"):  # a fresh tree-size tuner per cell (acceptance differs with T)
+    if verifier == "tree":  # a fresh tree-size tuner per cell (acceptance differs with T); None for a static tree
         context.tree.tuner = _tree_tuner(cfg, costs)
     params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
     asd = ASDSettings(*cell["asd"]) if cell["asd"] else None

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
@@ -162,6 +162,10 @@ class Decoder:
     proposer: object  # inference/proposers.py: a Proposer, or a TreeProposer when the recipe asks for a tree
     eos: List[int]
     generator: torch.Generator
+    block: Union[int, BlockLengthTuner] = field(init=False)  # a tuner (k = auto) learns across the requests
+
+    def __post_init__(self):
+        self.block = block_length(self.cfg.inference)
 
     def __call__(self, prompt: List[int]) -> GenerationResult:
         """One request: prompt ids → the new tokens and per-cycle statistics."""
@@ -174,9 +178,6 @@ class Decoder:
             return tree_speculative_generate(target, self.proposer, prompt, n, params, self.eos, self.generator)
         asd = ASDSettings(**inf.asd) if inf.verifier.value == "asd" else None
         return speculative_generate(target, self.proposer, prompt, n, params, self.block, self.eos, asd, self.generator)
-
-    def __post_init__(self):
-        self.block = block_length(self.cfg.inference)  # a tuner (k = auto) learns across the requests
 
 
 def build_decoder(cfg: DictConfig) -> Decoder:

@@ -42,6 +42,24 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def sample_first_two_through_the_loop(target, proposer, prompt, n: int, tree: bool):
+    """n runs of the real speculative loop at T = 1 emitting two tokens (a tree proposer through the tree loop, with
+    a fixed seed): Counter of the token pairs, and the accepted / drafted totals over all cycles."""
+    from collections import Counter
+
+    from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
+    from specdrafter.inference.sampling import SamplingParams
+    gen = torch.Generator().manual_seed(0)
+    counts, accepted, drafted = Counter(), 0, 0
+    for _ in range(n):
+        result = (tree_speculative_generate(target, proposer, prompt, 2, SamplingParams(1.0), generator=gen) if tree else
+                  speculative_generate(target, proposer, prompt, 2, SamplingParams(1.0), 2, generator=gen))
+        counts[tuple(result.tokens)] += 1
+        accepted += sum(c.accepted for c in result.cycles)
+        drafted += sum(c.drafted for c in result.cycles)
+    return counts, accepted, drafted
+
+
 def assert_first_two_tokens_follow(target, prompt, counts, n: int, level: float = 1e-4) -> None:
     """χ² test (at `level`) of `counts` of the first two emitted tokens over n runs against the target's own
     sampling distribution p(a | prompt) · p(b | prompt, a) at temperature 1."""

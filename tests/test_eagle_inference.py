@@ -3,11 +3,10 @@ drafts, EAGLE-2 trees, and inside the decoding loop), greedy decoding is token-i
 sampling at T = 1 follows the target's own distribution (χ²), checkpoints round-trip bit-exactly under the engines'
 weight names, and mismatched heads are refused."""
 
-from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_first_two_tokens_follow, tiny_llama_config
+from conftest import assert_first_two_tokens_follow, sample_first_two_through_the_loop, tiny_llama_config
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
@@ -288,14 +287,7 @@ def test_decoding_at_temperature_1_samples_the_first_two_tokens_from_the_target(
         head.lm_head.weight.mul_(SHARPEN)
     proposer = EagleTreeProposer(head, small, depth=2, top_k=2, total_tokens=4) if tree else EagleProposer(head, small)
     prompt, n = [3, 5], 1500
-    gen = torch.Generator().manual_seed(0)
-    counts, accepted, drafted = Counter(), 0, 0
-    for _ in range(n):
-        result = (tree_speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), generator=gen) if tree else
-                  speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), 2, generator=gen))
-        counts[tuple(result.tokens)] += 1
-        accepted += sum(c.accepted for c in result.cycles)
-        drafted += sum(c.drafted for c in result.cycles)
+    counts, accepted, drafted = sample_first_two_through_the_loop(small, proposer, prompt, n, tree)
     assert 0 < accepted < drafted  # both the accepting and the rejecting branches of the verifier were taken
     assert_first_two_tokens_follow(small, prompt, counts, n)
 

@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.chat import user_prompt_ids
+from specdrafter.eval.bench_load import filled_to
 from specdrafter.inference.run import decode_file
 
 CONTEXT, NEW, K = 160, 8, 4
@@ -34,10 +35,7 @@ def sharp_target(tmp_path_factory, smollm2_tokenizer):
 
 def prompt_of_length(tokenizer, n: int) -> str:
     """A user message whose chat-templated prompt is exactly n tokens."""
-    words = ["apple"] * n
-    while len(user_prompt_ids(tokenizer, " ".join(words))) > n:
-        words.pop()
-    text = " ".join(words)
+    text = filled_to(tokenizer, n)
     assert len(user_prompt_ids(tokenizer, text)) == n, "pick another filler word"
     return text
 

@@ -3,11 +3,10 @@ feature of position n - 2 drafts token i + 1), greedy chain / tree / typical dec
 target.generate, chain and tree sampling at T = 1 distributed as the target (χ²), and bad input refused in one line."""
 
 import json
-from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_first_two_tokens_follow, tiny_llama_config
+from conftest import assert_first_two_tokens_follow, sample_first_two_through_the_loop, tiny_llama_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
@@ -173,14 +172,7 @@ def test_sampling_at_temperature_1_draws_the_first_two_tokens_from_the_target(tr
     proposer = MedusaTreeProposer(heads, small, tree_from_choices(RAGGED, num_heads=3)) if tree else \
         MedusaProposer(heads, small)
     prompt, n = [3, 5], 2500
-    gen = torch.Generator().manual_seed(0)
-    counts, accepted, drafted = Counter(), 0, 0
-    for _ in range(n):
-        result = (tree_speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), generator=gen) if tree else
-                  speculative_generate(small, proposer, prompt, 2, SamplingParams(1.0), 2, generator=gen))
-        counts[tuple(result.tokens)] += 1
-        accepted += sum(c.accepted for c in result.cycles)
-        drafted += sum(c.drafted for c in result.cycles)
+    counts, accepted, drafted = sample_first_two_through_the_loop(small, proposer, prompt, n, tree)
     assert 0 < accepted < drafted  # both the accepting and the rejecting branches of the verifier were taken
     assert_first_two_tokens_follow(small, prompt, counts, n)
 
