@@ -339,6 +339,8 @@ def test_deepspeed_two_ranks_train_and_the_loss_falls(kind, deepspeed_run):
     mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
     assert mean(last, "loss") < 0.9 * mean(first, "loss"), [r["loss"] for r in records]
     assert records[-1]["alpha/mean"] > records[0]["alpha/mean"], [r["alpha/mean"] for r in records]
+    port = done.args[done.args.index("--master_port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))  # no RAM left behind in tmpfs
 
 
 def test_ranks_benchmark_reports_the_launchers_training_speed(tmp_path, peaky_target, data_dir, monkeypatch):

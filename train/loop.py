@@ -78,7 +78,24 @@ def setup_distributed() -> tuple[int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        release_shm_segment()
     return dist.get_rank(), dist.get_world_size()
+
+
+def release_shm_segment() -> None:
+    """Unlink this rank's DeepSpeed CPU all-reduce segment once every rank has mapped it.
+
+    DeepSpeed's CPU backend (ranks all on one machine) puts a 67 MB segment per rank in /dev/shm and never
+    unlinks it, so each run, finished or killed, leaves its segments behind in RAM-backed tmpfs (here 200 of
+    them, 14 GB, had piled up and helped the kernel OOM-kill a training run). Every rank maps all peers'
+    segments before `init_distributed` returns, so after a barrier the names can go; the mappings stay valid
+    and the memory is freed when the last rank exits, however it exits."""
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank())
+    segment = Path("/dev/shm") / name
+    if segment.exists():
+        dist.barrier()
+        segment.unlink(missing_ok=True)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
