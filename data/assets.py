@@ -352,8 +352,25 @@ def resolve_target(name: str) -> str:
     return str(ensure_smollm2()) if name == "smollm2-135m-instruct" else name
 
 
-def load_target(name: str, dtype: str = "float32"):
-    """(model, tokenizer) for a recipe's `target.model`, in eval mode; one clear line if it cannot load."""
+def resolve_device(spec: str = "auto") -> torch.device:
+    """A recipe's `target.device`: auto = this process's CUDA device (LOCAL_RANK) when there is one, else the CPU."""
+    if spec == "auto":
+        spec = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise SpecdrafterError(f"recipe key 'target.device': {spec!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdrafterError(f"recipe key 'target.device' is {spec!r} but this machine has no CUDA device; use auto or cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise SpecdrafterError(f"recipe key 'target.device': {spec!r} is not supported (auto, cpu, cuda or cuda:N)")
+    return device
+
+
+def load_target(name: str, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer) for a recipe's `target.model`, in eval mode on `device` (see `resolve_device`); one clear
+    line if it cannot load."""
+    device = resolve_device(device)
     path = resolve_target(name)
     if Path(path).expanduser().is_dir():  # a local folder: a damaged config.json or weights file is one line
         check_model_folder(Path(path), "target")
@@ -368,7 +385,7 @@ def load_target(name: str, dtype: str = "float32"):
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise SpecdrafterError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model embeds only "
                                f"{model.get_input_embeddings().num_embeddings}: tokenizer and target do not match")
-    return model.eval(), tokenizer
+    return model.to(device).eval(), tokenizer
 
 
 def ensure_all(cache: Path | None = None) -> dict:

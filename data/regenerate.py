@@ -361,10 +361,10 @@ def target_hidden_states(model, sequences: List[List[int]], layer_ids: Sequence[
             for row, i in enumerate(batch):
                 input_ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
                 attention_mask[row, :len(sequences[i])] = 1
-            model.model(input_ids=input_ids, attention_mask=attention_mask)  # the backbone: no [B, T, V] logits
+            model.model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device))  # no logits
             for k in layer_ids:
                 for row, i in enumerate(batch):
-                    per_layer[k][i] = hidden[k][row, :len(sequences[i])].to(dtype)  # [T_i, d]
+                    per_layer[k][i] = hidden[k][row, :len(sequences[i])].to(dtype).cpu()  # [T_i, d]
     lengths = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.long)
     out = {f"layer_{k}": torch.cat(per_layer[k]).contiguous() for k in layer_ids}
     out["offsets"] = torch.cumsum(lengths, 0)
@@ -488,7 +488,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
     remove_stale_temps(out / "hidden")
 
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
-    model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
     layer_ids = list(d.hidden_states.layer_ids)
     check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
 

@@ -166,8 +166,8 @@ def hf_decoder(setup: Setup, draft=None) -> Decode:
     def run(prompt, t, generator):
         torch.manual_seed(int(generator.initial_seed()))
         sample = dict(do_sample=t > 0, **({"temperature": t, "top_k": 0} if t else {}))
-        out = setup.target.generate(torch.tensor([prompt]), max_new_tokens=setup.max_new_tokens, eos_token_id=setup.eos,
-                                    pad_token_id=setup.eos[0], **sample, **assist)
+        out = setup.target.generate(torch.tensor([prompt], device=setup.target.device), max_new_tokens=setup.max_new_tokens,
+                                    eos_token_id=setup.eos, pad_token_id=setup.eos[0], **sample, **assist)
         return out[0, len(prompt):].tolist()
     return run
 

@@ -202,7 +202,7 @@ def run_eval(cfg: DictConfig) -> Path:
     (out / "outputs").mkdir(parents=True, exist_ok=True)
     results = Results(out, cfg)
     verifiers = [v.value for v in e.verifiers]
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     check_room(cfg, sets, prompts, target.config.max_position_embeddings)  # before any pass: one line, nothing lost
     eos = eos_token_ids(target, tokenizer)
@@ -350,7 +350,7 @@ def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base
     for i, prompt in enumerate(prompts):
         torch.manual_seed(i)
         start = time.perf_counter()
-        ids = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, eos_token_id=eos,
+        ids = target.generate(torch.tensor([prompt], device=target.device), max_new_tokens=max_new_tokens, eos_token_id=eos,
                               pad_token_id=eos[0] if eos else None, **sample)[0, len(prompt):].tolist()
         seconds += time.perf_counter() - start
         tokens += len(ids)

@@ -37,14 +37,16 @@ def time_passes(model, context: Sequence[int], sizes: Sequence[int], repeats: in
     The sizes are interleaved and their order rotates from repeat to repeat (repeat r starts at the r-th size), so a
     slow spell of the machine hits every size alike and no size always runs first or right after the same one."""
     sizes = list(dict.fromkeys(sizes))
-    cache = DynamicCache()
-    model(input_ids=torch.tensor([list(context)]), cache=cache, use_cache=True, logits_to_keep=1)
+    cache, device = DynamicCache(), getattr(model, "device", torch.device("cpu"))  # an HF model knows its device
+    model(input_ids=torch.tensor([list(context)], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     times: Dict[int, List[float]] = {n: [] for n in sizes}
     for r in range(repeats):
         shift = r % len(sizes)
         for n in sizes[shift:] + sizes[:shift]:
             start = time.perf_counter()
-            model(input_ids=torch.tensor([(list(context) * n)[:n]]), cache=cache, use_cache=True)
+            model(input_ids=torch.tensor([(list(context) * n)[:n]], device=device), cache=cache, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # a kernel launch returns before the pass is done
             times[n].append(time.perf_counter() - start)
             cache.crop(-n)
     return times

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import ASDConfig
 from specdrafter.inference.autotune import BlockLengthTuner
-from specdrafter.inference.proposers import Proposer, TreeProposer
+from specdrafter.inference.proposers import Proposer, TreeProposer, device_of
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
 from specdrafter.inference.tree import TreeShape, tree_attention, tree_positions
 from specdrafter.inference.verify import (
@@ -109,8 +109,8 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos
         t0 = time.perf_counter()
         proposal = proposer.propose(committed, k, params, generator)
         t1 = time.perf_counter()
-        ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()])  # [1, k+1]
-        logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0]  # [k+1, V]
+        ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
+        logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0].cpu()  # [k+1, V], verified on the CPU
         t_logits = time.perf_counter()
         verdict = _verify(proposal, logits, params, ledger, asd, generator)
         t2 = time.perf_counter()
@@ -195,10 +195,12 @@ def _tree_loop(target, proposer: TreeProposer, prompt_ids, max_new_tokens, accep
 
 
 def tree_pass(target: nn.Module, cache: DynamicCache, shape, tokens: torch.Tensor, past: int) -> torch.Tensor:
-    """One target pass over a whole draft tree after `past` cached tokens (tree attention): logits [N+1, V]."""
-    return target(input_ids=tokens[None], cache=cache, use_cache=True,
-                  attention_mask=tree_attention(shape.ancestors_mask(), past),
-                  position_ids=tree_positions(shape.depths, past)).logits[0]
+    """One target pass over a whole draft tree after `past` cached tokens (tree attention): logits [N+1, V], on the
+    CPU where the acceptance rule runs."""
+    device = device_of(target)
+    return target(input_ids=tokens[None].to(device), cache=cache, use_cache=True,
+                  attention_mask=tree_attention(shape.ancestors_mask(), past).to(device),
+                  position_ids=tree_positions(shape.depths, past).to(device)).logits[0].cpu()
 
 
 def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[List[int], DynamicCache]:
@@ -211,7 +213,8 @@ def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[L
                                f"{context} tokens")
     committed, cache = list(prompt_ids), DynamicCache()
     if len(committed) > 1:
-        target(input_ids=torch.tensor([committed[:-1]]), cache=cache, use_cache=True, logits_to_keep=1)
+        target(input_ids=torch.tensor([committed[:-1]], device=device_of(target)), cache=cache, use_cache=True,
+               logits_to_keep=1)
     return committed, cache
 
 
@@ -234,7 +237,7 @@ def _commit(new: List[int], committed: List[int], result: GenerationResult, eos:
 
 def compact_cache(cache: DynamicCache, slots: List[int], start: int) -> None:
     """Move the KV entries at `slots` to contiguous positions start, start+1, ... in every layer."""
-    index = torch.tensor(slots)
+    index = torch.tensor(slots, device=cache.layers[0].keys.device)
     for layer in cache.layers:
         layer.keys[:, :, start:start + len(slots)] = layer.keys[:, :, index]  # [B, H, n, D]
         layer.values[:, :, start:start + len(slots)] = layer.values[:, :, index]

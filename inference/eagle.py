@@ -50,9 +50,10 @@ class EagleProposer:
             raise SpecdrafterError("EAGLE drafting needs target features of at least one position (a prompt of >= 2 tokens)")
         hidden = torch.cat(self.pending)[None]  # [1, m, d]
         start, m = self.cached, hidden.shape[1]
-        ids = torch.tensor([committed[start + 1:start + m + 1]])  # [1, m] x_{t+1} for each position t
-        positions = torch.arange(start, start + m)[None]  # [1, m]
-        mask = torch.ones(m, start + m, dtype=torch.bool).tril(start)[None, None]  # causal over past + new
+        device = hidden.device
+        ids = torch.tensor([committed[start + 1:start + m + 1]], device=device)  # [1, m] x_{t+1} for each position t
+        positions = torch.arange(start, start + m, device=device)[None]  # [1, m]
+        mask = torch.ones(m, start + m, dtype=torch.bool, device=device).tril(start)[None, None]  # causal over past + new
         out, _ = self.head(hidden, self.embed(ids), positions, mask, self.cache)  # [1, m, d]
         self.cached, self.pending = start + m, []
         return out[:, -1:]
@@ -66,13 +67,15 @@ class EagleProposer:
         indices, rows = [], []
         for step in range(k):
             # sampled in the draft vocabulary: the other target tokens have q = 0 (logit −inf) anyway
-            index, q = draw(self.head.logits(hidden)[0, -1], params, generator)  # q [Vd] or None (greedy)
+            index, q = draw(self.head.logits(hidden)[0, -1].cpu(), params, generator)  # q [Vd] or None (greedy)
             indices.append(index)
             rows.append(q)
             if step == k - 1:
                 break
             token = draft_ids[index:index + 1][None]  # [1, 1]
-            hidden, _ = self.head(hidden, self.embed(token), torch.tensor([[position + step]]), None, self.cache)
+            hidden, _ = self.head(hidden, self.embed(token), torch.tensor([[position + step]], device=hidden.device),
+                                  None, self.cache)
+        draft_ids = draft_ids.cpu()
         tokens = draft_ids[indices]  # [k]
         if params.greedy:
             return Proposal(tokens, None)
@@ -122,7 +125,7 @@ class EagleTreeProposer(EagleProposer):
             parent_out = torch.stack([outputs[candidates[c][2]] for c in frontier])[None]  # [1, F, d]
             ids = draft_ids[[candidates[c][3] for c in frontier]][None]  # [1, F] target ids
             positions = torch.full_like(ids, past + candidates[frontier[0]][1] - 1)  # [1, F]
-            seen = torch.cat([mask.new_ones(len(frontier), past), mask], dim=1)  # [F, S] the committed pairs too
+            seen = torch.cat([mask.new_ones(len(frontier), past), mask], dim=1).to(ids.device)  # [F, S] committed pairs too
             out, _ = self.head(parent_out, self.embed(ids), positions, seen[None, None], self.cache)  # [1, F, d]
             outputs.update(zip(frontier, out[0]))
             return self.head.logits(out[0]).log_softmax(-1)  # [F, Vd]

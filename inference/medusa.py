@@ -43,7 +43,7 @@ class MedusaProposer:
         """[H, V]: row i scores the token i + 1 places after the newest committed one."""
         if self.feature is None:
             raise SpecdrafterError("Medusa drafting needs target features of at least one position (a prompt of >= 2 tokens)")
-        return self.heads(self.feature)
+        return self.heads(self.feature).cpu()
 
     @torch.no_grad()
     def propose(self, committed: list[int], k: int, params: SamplingParams,

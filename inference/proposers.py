@@ -18,6 +18,11 @@ from specdrafter.inference.sampling import SamplingParams, draw
 from specdrafter.inference.tree import TreeShape, grow_dynamic_tree, select_dynamic_tree, tree_attention, tree_positions
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """Where a model's weights are: the loops build its inputs there (docs/architecture.md §Devices)."""
+    return next(model.parameters()).device
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [k] drafted token ids
@@ -81,8 +86,8 @@ class DraftModelProposer:
         feed = committed[self.cached:]  # tokens the draft has not seen yet (at least the newest one)
         tokens, rows = [], []
         for step in range(k):
-            ids = torch.tensor([feed])  # [1, n]
-            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # [V]
+            ids = torch.tensor([feed], device=device_of(self.model))  # [1, n]
+            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1].cpu()  # [V]
             self.cached += len(feed)
             token, q = draw(logits, params, generator)
             tokens.append(token)
@@ -145,7 +150,8 @@ class DraftModelTreeProposer(DraftModelProposer):
         tokens = [committed[-1]] + [0] * (shape.size - 1)
         width = 1 + max(c[-1] for c in shape.choices[1:])
         feed = committed[self.cached:]
-        root_logits = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True,
+        device = device_of(self.model)
+        root_logits = self.model(input_ids=torch.tensor([feed], device=device), cache=self.cache, use_cache=True,
                                  logits_to_keep=1).logits[0, -1]  # [V]
         self.cached += len(feed)
         past = self.cached  # the root is now part of the cached past; tree nodes 1.. follow it
@@ -159,9 +165,9 @@ class DraftModelTreeProposer(DraftModelProposer):
             end = level[-1] + 1
             if depth == max(depths):  # the deepest level has no children: no need to feed it
                 break
-            logits = self.model(input_ids=torch.tensor([tokens[fed:end]]), cache=self.cache, use_cache=True,
-                                attention_mask=tree_attention(mask[fed:end, 1:end], past),
-                                position_ids=tree_positions(depths[fed:end], past - 1)).logits[0]  # [n, V]
+            logits = self.model(input_ids=torch.tensor([tokens[fed:end]], device=device), cache=self.cache, use_cache=True,
+                                attention_mask=tree_attention(mask[fed:end, 1:end], past).to(device),
+                                position_ids=tree_positions(depths[fed:end], past - 1).to(device)).logits[0]  # [n, V]
             for row, j in enumerate(range(fed, end)):
                 ranked[j] = logits[row].topk(width).indices
             fed = end
@@ -186,15 +192,17 @@ class DynamicTreeProposer(DraftModelProposer):
     @torch.no_grad()
     def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
         feed = committed[self.cached:]
-        root = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True,
+        device = device_of(self.model)
+        root = self.model(input_ids=torch.tensor([feed], device=device), cache=self.cache, use_cache=True,
                           logits_to_keep=1).logits[0, -1:]  # [1, V]
         self.cached += len(feed)
         past = self.cached  # a depth-d node sits at position past − 1 + d and sees the committed past
 
         def feed_frontier(frontier, candidates, mask):
-            ids = torch.tensor([[candidates[c][3] for c in frontier]])  # [1, F]
+            ids = torch.tensor([[candidates[c][3] for c in frontier]], device=device)  # [1, F]
             depth = candidates[frontier[0]][1]
-            return self.model(input_ids=ids, cache=self.cache, use_cache=True, attention_mask=tree_attention(mask, past),
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True,
+                              attention_mask=tree_attention(mask, past).to(device),
                               position_ids=torch.full_like(ids, past - 1 + depth)).logits[0].log_softmax(-1)  # [F, V]
 
         levels = self.tuner.draft_depth(self.depth) if self.tuner is not None else self.depth

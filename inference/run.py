@@ -49,7 +49,7 @@ def load_serving_target(cfg: DictConfig):
     folder with a `backbone/`), the fine-tuned backbone trained with them, which is what Medusa-2 serves."""
     if cfg.drafter.kind.value != "self_draft":
         _drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
     if cfg.drafter.kind.value == "medusa" and cfg.drafter.path:
         return serving_model(Path(cfg.drafter.path), target), tokenizer
     return target, tokenizer
@@ -85,7 +85,7 @@ def load_draft_model(cfg: DictConfig, target) -> torch.nn.Module:
     if cfg.drafter.kind.value == "self_draft":
         return self_draft(target, cfg.drafter.num_layers)
     try:
-        draft = AutoModelForCausalLM.from_pretrained(_drafter_path(cfg), dtype=target.dtype).eval()
+        draft = AutoModelForCausalLM.from_pretrained(_drafter_path(cfg), dtype=target.dtype).to(target.device).eval()
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
     check_vocabularies(target, draft)
@@ -117,7 +117,7 @@ def build_proposer(cfg: DictConfig, target):
     inf, kind = cfg.inference, cfg.drafter.kind.value
     dyn = inf.dynamic_tree
     if kind in ("eagle3", "eagle1"):
-        head = (load_eagle3 if kind == "eagle3" else load_eagle1)(_drafter_path(cfg), target.dtype)
+        head = (load_eagle3 if kind == "eagle3" else load_eagle1)(_drafter_path(cfg), target.dtype).to(target.device)
         if inf.tree:
             raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use "
                                    "inference.dynamic_tree.total_tokens")
@@ -125,7 +125,7 @@ def build_proposer(cfg: DictConfig, target):
             return EagleProposer(head, target)
         return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
     if kind == "medusa":
-        heads = load_medusa(_drafter_path(cfg), target.dtype)
+        heads = load_medusa(_drafter_path(cfg), target.dtype).to(target.device)
         check_heads_fit(heads, target)
         if dyn.total_tokens:
             raise SpecdrafterError("recipe key 'inference.dynamic_tree': Medusa heads draft static trees; use inference.tree")

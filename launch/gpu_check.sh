@@ -31,7 +31,7 @@ prepare() {
   grep -qx '/.gpu_check/' .git/info/exclude 2>/dev/null || echo '/.gpu_check/' >> .git/info/exclude
   mkdir -p $dir/wheels $dir/cache/prompts $dir/cache/models/SmolLM2-135M-Instruct
   local cache
-  cache=$($PY -c "from data.assets import ensure_prompt_set, ensure_smollm2, cache_dir; [ensure_prompt_set(s) for s in ('mtbench','gsm8k','humaneval')]; ensure_smollm2(); print(cache_dir())")
+  cache=$($PY -c "from specdrafter.data.assets import ensure_prompt_set, ensure_smollm2, cache_dir; [ensure_prompt_set(s) for s in ('mtbench','gsm8k','humaneval')]; ensure_smollm2(); print(cache_dir())")
   cp "$cache"/prompts/{mtbench,gsm8k,humaneval}.jsonl $dir/cache/prompts/
   for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
     cp "$cache/models/SmolLM2-135M-Instruct/$f" $dir/cache/models/SmolLM2-135M-Instruct/ 2>/dev/null || true
@@ -63,6 +63,11 @@ START=$SECONDS
 if [ -d .gpu_check/wheels ] && ! $PY -c "import deepspeed, omegaconf, datasets" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu_check/wheels/*.whl >> "$LOG" 2>&1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+if ! $PY -c "import specdrafter.core" 2>/dev/null; then  # the project is not installed there: map its folders
+  mkdir -p /tmp/site/specdrafter                             # onto the `specdrafter` namespace, as pyproject.toml does
+  for pkg in core models data train inference eval export; do ln -sfn "$ROOT/$pkg" "/tmp/site/specdrafter/$pkg"; done
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 WEIGHTS="converted SmolLM2-135M-Instruct"
 if [ -d .gpu_check/cache ]; then

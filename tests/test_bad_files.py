@@ -149,6 +149,21 @@ def test_an_intact_checkpoint_and_an_export_load(checkpoint, tmp_path):
     assert [c.drafter for c in find_run_checkpoints(cfg)] == [export]
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("gpu", "recipe key 'target.device': 'gpu' is not a device (auto, cpu, cuda or cuda:N)"),
+    ("meta", "recipe key 'target.device': 'meta' is not supported (auto, cpu, cuda or cuda:N)"),
+    ("cuda:0", "recipe key 'target.device' is 'cuda:0' but this machine has no CUDA device; use auto or cpu"),
+])
+def test_a_bad_target_device_is_one_line(tiny_target, spec, message):
+    if spec.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SpecdrafterError) as e:
+        load_target(str(tiny_target), device=spec)
+    assert one_line(e) == message
+    model, _ = load_target(str(tiny_target), device="auto")
+    assert model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def test_a_damaged_target_folder_is_one_line(tmp_path, tiny_target):
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)
