@@ -21,7 +21,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import matplotlib
 
@@ -75,7 +75,8 @@ def summarise(results: Path) -> Dict[str, dict]:
         if c["sweep"] or c["verifier"] == "asd":
             continue
         out[f"{c['set']}|T={c['temperature']:g}|{c['verifier']}"] = {
-            k: c.get(k) for k in ("tau", "alpha", "speedup", "predicted_speedup", "k_used", "mean_tree_size")}
+            k: c.get(k) for k in ("tau", "alpha", "speedup", "speedup_spread", "predicted_speedup", "k_used",
+                                  "mean_tree_size")}
     return out
 
 
@@ -118,6 +119,37 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
     return out
 
 
+ALPHA_FOR_TAU_3 = 0.7413  # the per-token acceptance α with 1 + α + α² + α³ + α⁴ = 3: τ = 3 at k = 4 (i.i.d. model)
+
+
+def alpha_trend(points: List[tuple]) -> Optional[Tuple[float, float]]:
+    """Least-squares line α = a + b · log10(tokens) through (tokens, α) points: (a, b), or None for < 2 budgets."""
+    if len({t for t, _ in points}) < 2:
+        return None
+    xs, ys = [math.log10(t) for t, _ in points], [a for _, a in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def trend_lines(runs: dict, st: dict, cases: List[str]) -> List[str]:
+    """The chain α's slope per decade of target tokens for each set and T, and — an extrapolation, labelled so —
+    the tokens at which that line would reach the α of τ = 3 at k = 4."""
+    lines = ["", "## Trend (chain α against log10 target tokens, the curve's own source)", "",
+             "| set | T | α per decade | budgets | tokens for α = 0.74 (τ = 3 at k = 4), extrapolated |", "|---|---|---|---|---|"]
+    for case in cases:
+        points = sorted((r["budget"], r["cells"][case + "|chain"]["alpha"]) for r in runs.values()
+                        if r["source"] == st["source"] and (r["cells"].get(case + "|chain") or {}).get("alpha") is not None)
+        fit = alpha_trend(points)
+        if fit is None:
+            continue
+        a, b = fit
+        reach = f"{10 ** ((ALPHA_FOR_TAU_3 - a) / b):.1e}" if b > 0 else "never (α does not grow)"
+        dataset, temperature = case.split("|")
+        lines.append(f"| {dataset} | {temperature[2:]} | {b:+.3f} | {len(points)} | {reach} |")
+    return lines if len(lines) > 5 else []
+
+
 def write_scaling_report(report: dict, out: Path) -> None:
     """scaling.md (a table per budget and source) and tau_vs_tokens.png (τ against target tokens, log x)."""
     runs = report["runs"]
@@ -135,6 +167,12 @@ def write_scaling_report(report: dict, out: Path) -> None:
     def value(cell, field, fmt):
         return fmt.format(cell[field]) if cell and cell.get(field) is not None else "–"
 
+    def speedup(cell):  # with its measured spread (± the machine's drift), where the eval job recorded one
+        if not cell or cell.get("speedup") is None:
+            return "–"
+        spread = cell.get("speedup_spread")
+        return f"{cell['speedup']:.2f}×" + (f" ± {spread:.2f}" if spread is not None else "")
+
     for name, r in ordered:
         for case in cases:
             chain, tree = r["cells"].get(case + "|chain"), r["cells"].get(case + "|tree")
@@ -142,7 +180,8 @@ def write_scaling_report(report: dict, out: Path) -> None:
             lines.append(f"| {name} | {r['budget']:,} | {r['step']} | {dataset} | {temperature[2:]} | "
                          f"{value(chain, 'alpha', '{:.3f}')} | {value(chain, 'tau', '{:.2f}')} | {value(tree, 'tau', '{:.2f}')} "
                          "| "
-                         f"{value(chain, 'speedup', '{:.2f}×')} | {value(tree, 'speedup', '{:.2f}×')} |")
+                         f"{speedup(chain)} | {speedup(tree)} |")
+    lines += trend_lines(runs, st, cases)
     missing = [b for b in st["budgets"] if f"{st['source']}-{b}" not in runs]
     if missing:
         lines += ["", f"Not reached yet: {', '.join(f'{b:,}' for b in missing)} target tokens (rerun the same command to "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,3 +53,19 @@ def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
     again = subprocess.run(cmd, capture_output=True, text=True)  # a rerun: every step finds its work done
     assert again.returncode == 0, again.stderr[-2000:]
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoints/*/trainer_state.json")} == stamps
+
+
+def test_the_trend_is_alphas_slope_per_decade_and_its_extrapolation_to_tau_3():
+    from specdrafter.eval.scaling import ALPHA_FOR_TAU_3, alpha_trend, trend_lines
+    assert sum(ALPHA_FOR_TAU_3 ** j for j in range(5)) == pytest.approx(3.0, abs=1e-3)  # τ = 3 at k = 4
+    a, b = alpha_trend([(1e5, 0.30), (1e6, 0.40), (1e7, 0.50)])
+    assert (a, b) == (pytest.approx(-0.2), pytest.approx(0.1))
+    assert alpha_trend([(1e5, 0.3)]) is None
+    cell = lambda alpha: {"cells": {"mt|T=0|chain": {"alpha": alpha}}}  # noqa: E731
+    runs = {"dataset-100000": {"source": "dataset", "budget": 100000, **cell(0.30)},
+            "dataset-1000000": {"source": "dataset", "budget": 1000000, **cell(0.40)},
+            "target-100000": {"source": "target", "budget": 100000, **cell(0.90)}}  # the other source: not on the line
+    lines = trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])
+    assert lines[-1] == f"| mt | 0 | +0.100 | 2 | {10 ** ((ALPHA_FOR_TAU_3 + 0.2) / 0.1):.1e} |"
+    runs["dataset-1000000"] = {"source": "dataset", "budget": 1000000, **cell(0.25)}
+    assert trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])[-1].endswith("| never (α does not grow) |")

@@ -387,10 +387,7 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     c = cfg.copy()
     c.drafter.path, c.inference.tree, c.inference.dynamic_tree.total_tokens = str(folder), [], 0
     serving = serving_model(folder, target) if c.drafter.kind.value == "medusa" else target
-    proposer = build_proposer(c, serving)
-    for name in ("model", "head", "heads"):  # the drafter beside the target, wherever the target runs
-        if isinstance(getattr(proposer, name, None), torch.nn.Module):
-            getattr(proposer, name).to(device=target.device, dtype=target.dtype)
+    proposer = build_proposer(c, serving)  # the drafter in the target's dtype, beside it on its device
     eos = eos_token_ids(target, tokenizer)
     tokens = passes = accepted = drafted = 0
     k = block_length(c.inference)
