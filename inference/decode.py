@@ -112,7 +112,8 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos
         ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
         logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0].cpu()  # [k+1, V], verified on the CPU
         t_logits = time.perf_counter()
-        verdict = _verify(proposal, logits, params, ledger, asd, generator)
+        verdict = _verify(proposal, logits, params, ledger, asd, generator,
+                          room=max_new_tokens - len(result.tokens), eos=eos)
         t2 = time.perf_counter()
         new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
         cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
@@ -254,9 +255,11 @@ def drafted_tv(proposal, logits: torch.Tensor, tried: int, params: SamplingParam
     return (0.5 * (p - q).abs().sum(-1)).tolist()
 
 
-def _verify(proposal, logits, params, ledger, asd, generator) -> Verdict:
-    if asd is not None:
-        return verify_asd(proposal.tokens, logits, ledger, asd.gate, asd.max_mismatches)
+def _verify(proposal, logits, params, ledger, asd, generator, room: int, eos: set) -> Verdict:
+    if asd is not None:  # only drafts that can still be emitted may spend the budget: none past max_new_tokens or EOS
+        usable = min(len(proposal.tokens), room)
+        usable = next((i + 1 for i, x in enumerate(proposal.tokens[:usable].tolist()) if x in eos), usable)
+        return verify_asd(proposal.tokens[:usable], logits[:usable + 1], ledger, asd.gate, asd.max_mismatches)
     if params.greedy:
         return verify_greedy(proposal.tokens, logits)
     return verify_sampling(proposal.tokens, proposal.probs, sampling_probs(logits, params), generator)

@@ -106,6 +106,22 @@ def test_asd_with_a_budget_accepts_cheap_mismatches_and_charges_their_exact_regr
     assert sum(r > 0 for r in regret) >= 2 and max(regret) <= 0.25 * 4  # local gate: r_i <= g · (K - i) <= g · K
 
 
+def test_asd_charges_only_the_mismatches_it_emits_when_max_new_tokens_cuts_a_block(tiny_pair):
+    """At the last cycle max_new_tokens may cut the accepted drafts short: a mismatch that is never emitted must not
+    spend the budget. For every length the ledger equals the regret replayed over the tokens actually emitted."""
+    target, draft = tiny_pair
+    cut = 0
+    for n in range(2, 10):  # before the fix, n = 2, 3, 6, 7, 8 charged 1.11 for 0.46 emitted, ... 2.50 for 2.08
+        asd = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], n, SamplingParams(0.0), 4,
+                                   asd=ASDSettings(budget=3.0, gate=0.5, max_mismatches=4))
+        with torch.no_grad():
+            z = target(torch.tensor([PROMPTS[1] + asd.tokens])).logits[0, len(PROMPTS[1]) - 1:-1].double()
+        regret = sum(float(z[i].max() - z[i, x]) for i, x in enumerate(asd.tokens))
+        assert len(asd.tokens) == n and asd.asd_regret == pytest.approx(regret, abs=1e-4), n
+        cut += sum(c.accepted + 1 for c in asd.cycles) > n
+    assert cut  # some lengths did cut the last block short
+
+
 def test_bad_input_is_refused_in_one_line(tiny_pair):
     target, draft = tiny_pair
     other = LlamaForCausalLM(tiny_llama_config(320, num_hidden_layers=1)).eval()
