@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from specdrafter.inference.autotune import pass_cost
-from specdrafter.inference.decode import CycleStats
+from specdrafter.inference.decode import CycleStats, alpha_per_token
 
 
 def per_position_acceptance(cycles: List[CycleStats]) -> List[Optional[float]]:
@@ -24,12 +24,6 @@ def position_counts(cycles: List[CycleStats]) -> List[int]:
     """How many cycles tried draft position j (j = 1..k): the sample size behind each point of the curve."""
     k = max((c.drafted for c in cycles), default=0)
     return [sum(1 for c in cycles if c.accepted >= j and c.drafted > j) for j in range(k)]
-
-
-def alpha_per_token(cycles: List[CycleStats]) -> float:
-    """Accepted drafts / draft positions tried (a cycle tries its accepted ones plus the first rejected)."""
-    tried = sum(min(c.accepted + 1, c.drafted) for c in cycles)
-    return sum(c.accepted for c in cycles) / max(tried, 1)
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:

@@ -60,9 +60,16 @@ class GenerationResult:
         return len(self.tokens) / max(len(self.cycles), 1)
 
     @property
-    def acceptance(self) -> float:
-        """Fraction of drafted tokens accepted."""
-        return sum(c.accepted for c in self.cycles) / max(sum(c.drafted for c in self.cycles), 1)
+    def alpha(self) -> float:
+        """α: accepted drafts / draft positions tried (a cycle tries its accepted ones plus the first rejected)."""
+        return alpha_per_token(self.cycles)
+
+
+def alpha_per_token(cycles: List[CycleStats]) -> float:
+    """α over any cycles: accepted drafts / draft positions tried. Not accepted / drafted: the drafts after the first
+    rejection were never tried, and counting them would make α fall with k for the same drafter."""
+    tried = sum(min(c.accepted + 1, c.drafted) for c in cycles)
+    return sum(c.accepted for c in cycles) / max(tried, 1)
 
 
 ASDSettings = ASDConfig  # the recipe's inference.asd (budget, gate, max_mismatches): its defaults are the schema's

@@ -149,7 +149,7 @@ class DecodeReport:
     def summary(self) -> str:
         r = self.result
         return (f"{len(r.tokens)} tokens in {self.seconds:.2f} s = {len(r.tokens) / self.seconds:.1f} tok/s; "
-                f"τ = {r.tau:.2f} tokens per target pass; α = {r.acceptance:.3f} of drafted tokens accepted"
+                f"τ = {r.tau:.2f} tokens per target pass; α = {r.alpha:.3f} (accepted ÷ draft positions tried)"
                 + (f"; ASD regret {r.asd_regret:.2f}" if r.asd_regret else ""))
 
 

@@ -40,7 +40,7 @@ def test_greedy_chain_is_token_identical_to_target_generate(tiny_pair, k):
         for prompt in PROMPTS:
             result = speculative_generate(target, proposer, prompt, 24, SamplingParams(0.0), k, EOS)
             assert result.tokens == greedy_reference(target, prompt, 24)
-    assert result.acceptance < 1  # the random draft is rejected sometimes, so rollback was exercised
+    assert result.alpha < 1  # the random draft is rejected sometimes, so rollback was exercised
 
 
 def test_greedy_chain_on_smollm2_matches_generate(smollm2_dir, smollm2_tokenizer):
@@ -160,7 +160,7 @@ def test_decode_job_from_a_recipe(tmp_path, smollm2_tokenizer):
     report = decode(cfg)
     assert report.result.tokens == reference and "tok/s" in report.summary() and "τ =" in report.summary()
     assert report.text == smollm2_tokenizer.decode(reference, skip_special_tokens=True)
-    assert 0 < report.result.acceptance < 1  # the 1-layer self-draft is partly rejected: rollback was exercised
+    assert 0 < report.result.alpha < 1  # the 1-layer self-draft is partly rejected: rollback was exercised
     cfg.inference.tree = [[0], [1], [0, 0]]
     report = decode(cfg)
     assert report.result.tokens == reference

@@ -115,7 +115,7 @@ def test_heads_draft_from_the_feature_at_position_n_minus_2(target):
     for shift in (1, 3):
         off_by_one = MedusaProposer(oracle_heads(target, prompt + reference, shift), target)
         off = speculative_generate(target, off_by_one, prompt, n, SamplingParams(0.0), k)
-        assert off.tokens == reference and off.acceptance == 0
+        assert off.tokens == reference and off.alpha == 0
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -124,7 +124,7 @@ def test_greedy_chain_is_token_identical_to_target_generate(target, random_heads
         result = speculative_generate(target, MedusaProposer(random_heads, target), prompt, 16, SamplingParams(0.0),
                                       k, EOS)
         assert result.tokens == greedy_reference(target, prompt, 16)
-    assert result.acceptance < 1
+    assert result.alpha < 1
 
 
 @pytest.mark.parametrize("choices", [RAGGED, cartesian_choices([2, 2, 2])])
