@@ -17,12 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import tiny_llama_config
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import specdrafter.train.loop as train_loop
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.core.recipe import Recipe, RecipeError, load_recipe
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.regenerate import generate_dataset, load_generated
 from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
@@ -713,6 +714,19 @@ def test_data_from_another_target_is_refused(tmp_path, peaky_target, data_dir):
 def test_resuming_with_another_recipe_names_the_key(uninterrupted, peaky_target, data_dir):
     with pytest.raises(SpecdrafterError, match=r"was made by a different recipe: train.lr \(0.01 → 0.02\)"):
         train_loop.train(recipe("eagle3", uninterrupted, peaky_target, data_dir, *RESUME, "train.lr=2e-2"))
+
+
+def test_a_run_saved_before_a_key_existed_resumes_while_the_key_keeps_its_default():
+    """A checkpoint's recipe.yaml from an older version lacks keys added since: at their defaults they change nothing
+    (the 1M scaling run stopped once on `target.device (None → 'auto')`); set to anything else they are a change."""
+    cfg = load_recipe(REPO / "recipes" / "smollm2-135m-eagle3.yaml")
+    saved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    del saved["target"]["device"], saved["train"]["max_length"]
+    saved = OmegaConf.create(saved)
+    assert cfg.train.max_length == 512 != OmegaConf.structured(Recipe).train.max_length  # the recipe's, not the default
+    assert train_loop.recipe_differences(saved, cfg) == ["train.max_length (None → 512)"]
+    moved = load_recipe(REPO / "recipes" / "smollm2-135m-eagle3.yaml", ["target.device=cpu"])
+    assert train_loop.recipe_differences(saved, moved) == train_loop.recipe_differences(saved, cfg)  # placement: resumable
 
 
 def test_nan_loss_names_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch, peaky_target, data_dir):

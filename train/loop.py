@@ -49,7 +49,7 @@ from specdrafter.core.io import (  # noqa: E402
     temp_dir_beside,
     write_checkpoint_state,
 )
-from specdrafter.core.recipe import load_saved_recipe  # noqa: E402
+from specdrafter.core.recipe import Recipe, load_saved_recipe  # noqa: E402
 from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
 from specdrafter.inference.decode import speculative_generate  # noqa: E402
@@ -65,7 +65,7 @@ log = logging.getLogger("specdrafter")
 # A larger max_steps / epochs continues on the schedule of the new total (cosine over all steps); rerunning the
 # same command reproduces an uninterrupted run exactly.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_checkpoints",
-                     "train.wandb", "inference", "train.warm_start", "train.gpu_memory_gb")
+                     "train.wandb", "inference", "train.warm_start", "train.gpu_memory_gb", "target.device")
 
 
 # ----------------------------------------------------------------------------------------------- setup
@@ -186,8 +186,9 @@ def check_fits_target(t: DictConfig, config) -> None:
 def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
     def flat(c):
         return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
-    a, b = flat(saved), flat(cfg)
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_CHANGES))
+    a, b, defaults = flat(saved), flat(cfg), flat(OmegaConf.structured(Recipe))
+    added = {k for k in set(b) - set(a) if b[k] == defaults.get(k)}  # keys a later version added, left at their default
+    keys = sorted(k for k in (set(a) | set(b)) - added if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_CHANGES))
     return [f"{k} ({a.get(k)!r} → {b.get(k)!r})" for k in keys]
 
 
