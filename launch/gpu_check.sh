@@ -14,6 +14,7 @@
 #   5. decode bench  eval/bench_decode.py with the trained head
 #   6. memory        eval/bench_plan.py: the plan against torch.cuda.max_memory_allocated (ZeRO 0 and 2)
 # REPORT_DIR gets report.md (steps, times, GPU, the plan line, results) and logs.txt (every step's output).
+# GPU_CHECK_TIME_SCALE=N multiplies every step's timeout: a dry run of the script on a CPU needs about 5.
 #
 # A device machine without network (the project's sandboxed H200s): run --prepare here, then on the machine
 #   bash launch/gpu_check.sh "$OUT"          with .gpu_check carried (the device tool's `carry: [".gpu_check"]`)
@@ -93,7 +94,7 @@ step() {
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   echo "=== $name: $*" >> "$LOG"
-  timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
+  timeout --kill-after=10 "$((limit * ${GPU_CHECK_TIME_SCALE:-1}))" "$@" >> "$LOG" 2>&1
   local rc=$?
   local status=ok
   [ $rc -eq 0 ] || status="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"
