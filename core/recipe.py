@@ -60,8 +60,9 @@ class TargetConfig:
     # such as meta-llama/Llama-3.1-8B-Instruct on a machine with hub access.
     model: str = "smollm2-135m-instruct"
     dtype: DType = DType.float32
-    # Where the target (and the drafter beside it) runs in the data, decode and eval jobs and in training: auto =
-    # this process's CUDA device (LOCAL_RANK) when there is one, else the CPU; or cpu, cuda, cuda:N.
+    # Where the target (and the drafter beside it) runs in the data, decode and eval jobs: auto = this process's
+    # CUDA device (LOCAL_RANK) when there is one, else the CPU; or cpu, cuda, cuda:N. Training always uses the
+    # rank's device (the DeepSpeed launcher's placement).
     device: str = "auto"
 
 
