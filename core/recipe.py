@@ -288,6 +288,10 @@ class EvalConfig:
     # measured speedup vs k: newest checkpoint, first set, T = 0
     k_sweep: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     asd_sweep: List[List[float]] = field(default_factory=lambda: [[4, 0.25, 1], [16, 0.5, 2]])  # [budget, gate, max_mismatches]
+    # Decode each cell this many times, each right after target-only decoding of the same prompts: its speedup is
+    # the median of those side-by-side ratios and its spread their range. 1: one run per cell against the set's one
+    # baseline, drift-corrected (the spread is then how far the machine's step time moved).
+    repeats: int = 1
     output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
     wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)
 
@@ -602,6 +606,7 @@ def _check_training(cfg: DictConfig) -> None:
 def _check_eval(cfg: DictConfig) -> None:
     e, kind, inf = cfg.eval, cfg.drafter.kind.value, cfg.inference
     checks = {"eval.num_prompts": (e.num_prompts >= 1, ">= 1"), "eval.max_new_tokens": (e.max_new_tokens >= 1, ">= 1"),
+              "eval.repeats": (e.repeats >= 1, ">= 1"),
               "eval.sets": (len(e.sets) >= 1, "a non-empty list"), "eval.verifiers": (len(e.verifiers) >= 1, "a non-empty list"),
               "eval.temperatures": (len(e.temperatures) >= 1 and all(x >= 0 for x in e.temperatures),
                                     "a non-empty list of values >= 0"),

@@ -25,6 +25,11 @@ results.json (schema 1; "sha256": of the rest of the file, checked on a rerun �
                 "speedup_spread", speedup × (the cell's + the baseline's target_step_spread); the report flags a cell
                                   whose |speedup − 1| is smaller ("⚠ noisy")
                 "speedup_uncorrected",   tok/s ÷ baseline tok/s as measured (cells run minutes apart)
+                                  With eval.repeats = R > 1 the cell is decoded R times, each right after its own
+                                  target-only baseline: "speedup_rounds" = the R ratios tok/s ÷ baseline tok/s,
+                                  "speedup" (= "speedup_uncorrected") their median, "speedup_spread" their range
+                                  (max − min), and the rest of the row is the median round's (with its
+                                  "baseline_tokens_per_s")
                 "tau",            tokens per target pass, bonus included
                 "alpha",          accepted drafts / draft positions tried
                 "per_position",   P(draft j accepted | drafts 1..j−1 accepted), j = 1..k (trees: by depth)
@@ -66,7 +71,7 @@ from specdrafter.core.io import (
 )
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.eval.acceptance import cycle_metrics
+from specdrafter.eval.acceptance import cycle_metrics, range_of
 from specdrafter.eval.report import write_report
 from specdrafter.inference.autotune import (
     BlockLengthTuner,
@@ -129,7 +134,10 @@ def settings(cfg: DictConfig) -> dict:
     return {"num_prompts": e.num_prompts, "max_new_tokens": e.max_new_tokens, "top_k": inf.top_k, "top_p": inf.top_p,
             "seed": inf.seed, "tree": OmegaConf.to_container(inf.tree),
             "dynamic_tree": OmegaConf.to_container(inf.dynamic_tree), "typical": OmegaConf.to_container(inf.typical),
-            "target": cfg.target.model}
+            "target": cfg.target.model, "repeats": e.repeats}
+
+
+SETTINGS_ADDED_LATER = {"repeats": 1}  # a results.json from before a knob existed was made at its default
 
 
 # ------------------------------------------------------------------------------------------------- the job
@@ -142,7 +150,8 @@ class Results:
                  "machine": {}, "baselines": {}, "cells": []}
         self.data = self._read() if self.path.is_file() else None
         if self.data is not None:
-            changed = [k for k, v in fresh["settings"].items() if self.data.get("settings", {}).get(k) != v]
+            saved = {**SETTINGS_ADDED_LATER, **self.data.get("settings", {})}
+            changed = [k for k, v in fresh["settings"].items() if saved.get(k) != v]
             if self.data.get("drafter") != fresh["drafter"] or changed:
                 what = ", ".join(changed) or "drafter.kind"
                 raise SpecdrafterError(f"{self.path} was made with other settings ({what}); use another eval.output_dir "
@@ -218,24 +227,22 @@ def run_eval(cfg: DictConfig) -> Path:
     loaded: Dict[str, tuple] = {}
     for cell in todo:
         base_id = f"{cell['set']}|T={cell['temperature']}"
-        if base_id not in results.data["baselines"]:
-            results.data["baselines"][base_id] = _baseline(target, prompts[cell["set"]], cell["temperature"],
-                                                           e.max_new_tokens, eos, out, base_id, tokenizer)
-            results.save()
         ckpt = cell.pop("_checkpoint")
         if ckpt.name not in loaded:
             loaded.clear()  # one checkpoint's proposers in memory at a time
             loaded[ckpt.name] = _proposers(cfg, ckpt, target, verifiers)
         serving, chain, tree = loaded[ckpt.name]
-        first = prompts[cell["set"]][0]
-        before = step_times(target, first)
-        context = CellContext(serving, chain, tree, prompts[cell["set"]], eos, tokenizer, statistics.median(before),
-                              machine, out)
-        measured = _run_cell(cfg, cell, context)
-        steps = before + step_times(target, first)  # the machine's speed around the cell, and how much it moved
-        measured.update(target_step_s=round(statistics.median(steps), 5),
-                        target_step_spread=round(relative_spread(steps), 4))
-        _compare_with_baseline(measured, results.data["baselines"][base_id])
+        context = CellContext(serving, chain, tree, prompts[cell["set"]], eos, tokenizer, 0.0, machine, out)
+        if e.repeats > 1:
+            measured, base = _side_by_side(cfg, cell, context, target, base_id)
+            results.data["baselines"].setdefault(base_id, base)
+        else:
+            if base_id not in results.data["baselines"]:
+                results.data["baselines"][base_id] = _baseline(target, prompts[cell["set"]], cell["temperature"],
+                                                               e.max_new_tokens, eos, out, base_id, tokenizer)
+                results.save()
+            measured = _timed_cell(cfg, cell, context, target)
+            _compare_with_baseline(measured, results.data["baselines"][base_id])
         measured["answer_accuracy"] = answer_accuracy(out / measured["outputs"], sets[cell["set"]])
         results.add(measured)
         bar.update()
@@ -275,6 +282,39 @@ def machine_costs(machine: dict) -> PassCosts:
     return PassCosts(machine.get("target_step_s", 0.0), {int(n): x for n, x in raw.items()},
                      {int(n): x for n, x in machine.get("v_spread", {}).items()}, machine.get("target_step_spread", 0.0),
                      machine.get("v_repeats", 1))
+
+
+def _timed_cell(cfg: DictConfig, cell: dict, context: CellContext, target) -> dict:
+    """The cell decoded once, with the target step timed around it: the machine's speed, and how far it moved."""
+    before = step_times(target, context.prompts[0])
+    measured = _run_cell(cfg, cell, replace(context, step_s=statistics.median(before)))
+    steps = before + step_times(target, context.prompts[0])
+    measured.update(target_step_s=round(statistics.median(steps), 5),
+                    target_step_spread=round(relative_spread(steps), 4))
+    return measured
+
+
+def _side_by_side(cfg: DictConfig, cell: dict, context: CellContext, target, base_id: str) -> tuple:
+    """eval.repeats rounds of (target-only decoding, the cell) on the same prompts, back to back, so that each
+    round's ratio of speeds sees one machine speed. The cell's row is the round with the median ratio (the lower
+    middle one for an even count): its speedup, with the range of the rounds' ratios as its spread.
+    Returns (the row, that round's baseline)."""
+    rounds = []
+    for _ in range(cfg.eval.repeats):
+        base = _baseline(target, context.prompts, cell["temperature"], cfg.eval.max_new_tokens, context.eos,
+                         context.out, base_id, context.tokenizer)
+        measured = _timed_cell(cfg, cell, context, target)
+        rounds.append((measured["tokens_per_s"] / base["tokens_per_s"], measured, base))
+    ratios = [ratio for ratio, _, _ in rounds]
+    ratio = statistics.median_low(ratios)
+    measured, base = next((m, b) for r, m, b in rounds if r == ratio)
+    _compare_with_baseline(measured, base)
+    measured.update(speedup=round(ratio, 3), speedup_uncorrected=round(ratio, 3),
+                    speedup_spread=round(range_of(ratios), 3), speedup_rounds=[round(x, 3) for x in ratios],
+                    baseline_tokens_per_s=base["tokens_per_s"])
+    if measured["predicted_speedup"]:
+        measured["measured_over_predicted"] = round(measured["speedup"] / measured["predicted_speedup"], 3)
+    return measured, base
 
 
 def _compare_with_baseline(cell: dict, base: dict) -> None:

@@ -29,11 +29,19 @@ def write_report(data: dict, out: Path) -> Path:
     lines += [f"{s['num_prompts']} prompts per set, up to {s['max_new_tokens']} new tokens each; "
               + machine_line(data.get("machine", {})), ""]
     main = [c for c in cells if c["checkpoint"] == newest and not c["sweep"] and c["verifier"] != "asd"]
-    lines += ["Speedups are over target-only HF `generate` on the same prompts, corrected for the machine's drift "
-              "between the baseline and each cell (a target step is timed around both: tok/s ÷ (baseline tok/s × "
-              "baseline step ÷ cell step)); `uncorrected` is the plain ratio. `spread` = speedup × (interquartile range "
-              "÷ median of the target-step timings around the cell + around its baseline): how far the machine's speed "
-              "moved while they ran.", "", NOISY_LEGEND, ""]
+    repeats = s.get("repeats", 1)
+    if repeats > 1:
+        how = (f"Speedups are over target-only HF `generate` on the same prompts: each cell was decoded {repeats} times, "
+               "each time right after its own target-only run, and its speedup is the median of those side-by-side "
+               "ratios of tok/s (`uncorrected` is the same); `spread` = their range (max − min). The cell's other "
+               "columns are from the median round.")
+    else:
+        how = ("Speedups are over target-only HF `generate` on the same prompts, corrected for the machine's drift "
+               "between the baseline and each cell (a target step is timed around both: tok/s ÷ (baseline tok/s × "
+               "baseline step ÷ cell step)); `uncorrected` is the plain ratio. `spread` = speedup × (interquartile "
+               "range ÷ median of the target-step timings around the cell + around its baseline): how far the "
+               "machine's speed moved while they ran.")
+    lines += [how, "", NOISY_LEGEND, ""]
     lines += [f"## Checkpoint {newest}", "", _table(main, [
         ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", _shape), ("α", "alpha"),
         ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("spread", _spread),

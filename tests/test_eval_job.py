@@ -167,6 +167,40 @@ def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
         assert c["mean_tv"] is None and c["best_k"] is None
 
 
+def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, tiny_target, run_dir):
+    """eval.repeats = 3: every cell decoded three times, each right after target-only decoding; its speedup is the
+    median of the three ratios and its spread their range; the tokens are those of a single run. An older
+    results.json without the knob resumes at repeats = 1; another value is refused, naming it."""
+    args = ("eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[chain]", "eval.k_sweep=[]",
+            f"eval.checkpoint={run_dir}/checkpoints/step-000004")
+    once, thrice = tmp_path / "once", tmp_path / "thrice"
+    run_eval(eval_recipe(tiny_target, run_dir, once, *args))
+    run_eval(eval_recipe(tiny_target, run_dir, thrice, *args, "eval.repeats=3"))
+    single = {c["id"]: c for c in json.loads((once / "results.json").read_text())["cells"]}
+    data = json.loads((thrice / "results.json").read_text())
+    assert data["settings"]["repeats"] == 3 and len(data["cells"]) == 2
+    for c in data["cells"]:
+        rounds = c["speedup_rounds"]
+        assert len(rounds) == 3 and c["speedup"] == sorted(rounds)[1] == c["speedup_uncorrected"]
+        assert c["speedup_spread"] == pytest.approx(max(rounds) - min(rounds), abs=2e-3)  # each stored rounded
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / c["baseline_tokens_per_s"], abs=2e-3)
+        tokens = lambda folder, cell: [json.loads(line)["tokens"] for line in (folder / cell["outputs"]).open()]  # noqa: E731
+        assert tokens(thrice, c) == tokens(once, single[c["id"]])  # the same decoding, three times
+        assert (c["alpha"], c["tau"]) == (single[c["id"]]["alpha"], single[c["id"]]["tau"])
+    assert set(data["baselines"]) == {"mtbench|T=0.0", "mtbench|T=1.0"}
+    assert "decoded 3 times" in (thrice / "report.md").read_text()
+
+    old = json.loads((once / "results.json").read_text())
+    del old["sha256"], old["settings"]["repeats"]  # as written before eval.repeats existed
+    (once / "results.json").write_text(json.dumps(old))
+    run_eval(eval_recipe(tiny_target, run_dir, once, *args))  # resumes: nothing to do
+    assert json.loads((once / "results.json").read_text())["cells"] == list(single.values())  # not re-measured
+    with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):
+        run_eval(eval_recipe(tiny_target, run_dir, once, *args, "eval.repeats=2"))
+    with pytest.raises(RecipeError, match="'eval.repeats' must be >= 1, got 0"):
+        eval_recipe(tiny_target, run_dir, once, *args, "eval.repeats=0")
+
+
 def test_auto_sized_dynamic_tree_cells(tmp_path, tiny_target, run_dir):
     """A dynamic tree sized every cycle: v(n) measured on the tuner's grid, the mean size reported, and the
     prediction priced at the sizes actually verified (between the cheapest and the whole tree)."""
