@@ -25,8 +25,9 @@ results.json (schema 1; "sha256": of the rest of the file, checked on a rerun �
                 "speedup_spread", speedup × (the cell's + the baseline's target_step_spread); the report flags a cell
                                   whose |speedup − 1| is smaller ("⚠ noisy")
                 "speedup_uncorrected",   tok/s ÷ baseline tok/s as measured (cells run minutes apart)
-                                  With eval.repeats = R > 1 the cell is decoded R times, each right after its own
-                                  target-only baseline: "speedup_rounds" = the R ratios tok/s ÷ baseline tok/s,
+                                  With eval.repeats = R > 1 the cell is decoded R times, each time with target-only
+                                  decoding of every prompt right beside the cell's (alternately before and after):
+                                  "speedup_rounds" = the R ratios tok/s ÷ baseline tok/s,
                                   "speedup" (= "speedup_uncorrected") their median, "speedup_spread" their range
                                   (max − min), and the rest of the row is the median round's (with its
                                   "baseline_tokens_per_s")
@@ -54,7 +55,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -284,10 +285,10 @@ def machine_costs(machine: dict) -> PassCosts:
                      machine.get("v_repeats", 1))
 
 
-def _timed_cell(cfg: DictConfig, cell: dict, context: CellContext, target) -> dict:
+def _timed_cell(cfg: DictConfig, cell: dict, context: CellContext, target, beside=None) -> dict:
     """The cell decoded once, with the target step timed around it: the machine's speed, and how far it moved."""
     before = step_times(target, context.prompts[0])
-    measured = _run_cell(cfg, cell, replace(context, step_s=statistics.median(before)))
+    measured = _run_cell(cfg, cell, replace(context, step_s=statistics.median(before)), beside)
     steps = before + step_times(target, context.prompts[0])
     measured.update(target_step_s=round(statistics.median(steps), 5),
                     target_step_spread=round(relative_spread(steps), 4))
@@ -295,15 +296,21 @@ def _timed_cell(cfg: DictConfig, cell: dict, context: CellContext, target) -> di
 
 
 def _side_by_side(cfg: DictConfig, cell: dict, context: CellContext, target, base_id: str) -> tuple:
-    """eval.repeats rounds of (target-only decoding, the cell) on the same prompts, back to back, so that each
-    round's ratio of speeds sees one machine speed. The cell's row is the round with the median ratio (the lower
-    middle one for an even count): its speedup, with the range of the rounds' ratios as its spread.
-    Returns (the row, that round's baseline)."""
+    """eval.repeats rounds of the cell, each with target-only decoding of every prompt right beside the cell's
+    decoding of it, so that each round's ratio of speeds sees one machine speed. The cell's row is the round with
+    the median ratio (the lower middle one for an even count): its speedup, with the range of the rounds' ratios as
+    its spread. Returns (the row, that round's baseline)."""
     rounds = []
     for _ in range(cfg.eval.repeats):
-        base = _baseline(target, context.prompts, cell["temperature"], cfg.eval.max_new_tokens, context.eos,
-                         context.out, base_id, context.tokenizer)
-        measured = _timed_cell(cfg, cell, context, target)
+        runs = {}  # prompt i → target-only (new tokens, seconds), decoded beside the cell's prompt i
+
+        def beside(i: int) -> None:
+            runs[i] = _target_only(target, context.prompts[i], i, cell["temperature"], cfg.eval.max_new_tokens,
+                                   context.eos)
+
+        measured = _timed_cell(cfg, cell, context, target, beside)
+        base = _baseline_row([runs[i] for i in sorted(runs)], context.out, base_id, context.tokenizer,
+                             measured["target_step_s"], measured["target_step_spread"])
         rounds.append((measured["tokens_per_s"] / base["tokens_per_s"], measured, base))
     ratios = [ratio for ratio, _, _ in rounds]
     ratio = statistics.median_low(ratios)
@@ -381,30 +388,39 @@ def step_times(target, prompt: List[int], repeats: int = 5) -> List[float]:
 
 
 @torch.no_grad()
+def _target_only(target, prompt: List[int], i: int, temperature: float, max_new_tokens: int, eos) -> tuple:
+    """HF `generate` on the set's prompt i (seeded by i): (its new tokens, seconds)."""
+    sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
+    torch.manual_seed(i)
+    start = time.perf_counter()
+    ids = target.generate(torch.tensor([prompt], device=target.device), max_new_tokens=max_new_tokens, eos_token_id=eos,
+                          pad_token_id=eos[0] if eos else None, **sample)[0, len(prompt):].tolist()
+    return ids, time.perf_counter() - start
+
+
 def _baseline(target, prompts, temperature, max_new_tokens, eos, out: Path, base_id: str, tokenizer) -> dict:
     """Target-only decoding of the same prompts with HF `generate`: the speed every speedup is measured against,
     with the target step measured around it."""
-    sample = dict(do_sample=temperature > 0, **({"temperature": temperature, "top_k": 0} if temperature else {}))
     before = step_times(target, prompts[0])
-    tokens, seconds, rows = 0, 0.0, []
-    for i, prompt in enumerate(prompts):
-        torch.manual_seed(i)
-        start = time.perf_counter()
-        ids = target.generate(torch.tensor([prompt], device=target.device), max_new_tokens=max_new_tokens, eos_token_id=eos,
-                              pad_token_id=eos[0] if eos else None, **sample)[0, len(prompt):].tolist()
-        seconds += time.perf_counter() - start
-        tokens += len(ids)
-        rows.append({"tokens": ids, "text": tokenizer.decode(ids, skip_special_tokens=True)})
-    name = f"outputs/baseline-{_slug(base_id)}.jsonl"
-    atomic_write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
+    runs = [_target_only(target, prompt, i, temperature, max_new_tokens, eos) for i, prompt in enumerate(prompts)]
     steps = before + step_times(target, prompts[0])
+    return _baseline_row(runs, out, base_id, tokenizer, statistics.median(steps), relative_spread(steps))
+
+
+def _baseline_row(runs: List[tuple], out: Path, base_id: str, tokenizer, step_s: float, step_spread: float) -> dict:
+    """results.json's baseline entry from the runs [(new tokens, seconds)] per prompt; their texts go to a JSONL."""
+    tokens, seconds = sum(len(ids) for ids, _ in runs), sum(s for _, s in runs)
+    name = f"outputs/baseline-{_slug(base_id)}.jsonl"
+    atomic_write_text(out / name, "".join(json.dumps({"tokens": ids, "text": tokenizer.decode(ids, skip_special_tokens=True)})
+                                          + "\n" for ids, _ in runs))
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "outputs": name,
-            "target_step_s": round(statistics.median(steps), 5), "target_step_spread": round(relative_spread(steps), 4)}
+            "target_step_s": round(step_s, 5), "target_step_spread": round(step_spread, 4)}
 
 
-def _run_cell(cfg: DictConfig, cell: dict, context: CellContext) -> dict:
+def _run_cell(cfg: DictConfig, cell: dict, context: CellContext, beside: Optional[Callable[[int], None]] = None) -> dict:
     """Decode every prompt of the planned `cell` through the loop and measure it: the cell's row of results.json
-    (without the comparison with its baseline, which `run_eval` adds)."""
+    (without the comparison with its baseline, which `run_eval` adds). `beside(i)`, if given, runs next to prompt i,
+    outside the timing: before it for even i, after it for odd i, so that neither side always goes first."""
     temperature, verifier, prompts = cell["temperature"], cell["verifier"], context.prompts
     # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
     costs = replace(context.machine, step_s=context.step_s)
@@ -415,6 +431,8 @@ def _run_cell(cfg: DictConfig, cell: dict, context: CellContext) -> dict:
     asd = ASDSettings(*cell["asd"]) if cell["asd"] else None
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
     for i, prompt in enumerate(prompts):
+        if beside and i % 2 == 0:
+            beside(i)
         generator = torch.Generator().manual_seed(cfg.inference.seed + i)
         start = time.perf_counter()
         if verifier == "typical":
@@ -427,6 +445,8 @@ def _run_cell(cfg: DictConfig, cell: dict, context: CellContext) -> dict:
             r = speculative_generate(context.target, context.chain, prompt, cfg.eval.max_new_tokens, params, block,
                                      context.eos, asd, generator, record_tv=verifier == "chain")
         seconds += time.perf_counter() - start - sum(c.tv_s for c in r.cycles)  # the D_TV audit is not decoding time
+        if beside and i % 2 == 1:
+            beside(i)
         cycles += r.cycles
         regret += r.asd_regret
         rows.append({"id": i, "tokens": r.tokens, "text": context.tokenizer.decode(r.tokens, skip_special_tokens=True)})

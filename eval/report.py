@@ -32,9 +32,9 @@ def write_report(data: dict, out: Path) -> Path:
     repeats = s.get("repeats", 1)
     if repeats > 1:
         how = (f"Speedups are over target-only HF `generate` on the same prompts: each cell was decoded {repeats} times, "
-               "each time right after its own target-only run, and its speedup is the median of those side-by-side "
-               "ratios of tok/s (`uncorrected` is the same); `spread` = their range (max − min). The cell's other "
-               "columns are from the median round.")
+               "each time with target-only decoding of every prompt right beside the cell's (alternately before and "
+               "after), and its speedup is the median of those side-by-side ratios of tok/s (`uncorrected` is the "
+               "same); `spread` = their range (max − min). The cell's other columns are from the median round.")
     else:
         how = ("Speedups are over target-only HF `generate` on the same prompts, corrected for the machine's drift "
                "between the baseline and each cell (a target step is timed around both: tok/s ÷ (baseline tok/s × "

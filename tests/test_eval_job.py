@@ -168,7 +168,7 @@ def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
 
 
 def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, tiny_target, run_dir):
-    """eval.repeats = 3: every cell decoded three times, each right after target-only decoding; its speedup is the
+    """eval.repeats = 3: every cell decoded three times, target-only decoding beside it prompt by prompt; its speedup is the
     median of the three ratios and its spread their range; the tokens are those of a single run. An older
     results.json without the knob resumes at repeats = 1; another value is refused, naming it."""
     args = ("eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[chain]", "eval.k_sweep=[]",
@@ -177,6 +177,7 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
     run_eval(eval_recipe(tiny_target, run_dir, once, *args))
     run_eval(eval_recipe(tiny_target, run_dir, thrice, *args, "eval.repeats=3"))
     single = {c["id"]: c for c in json.loads((once / "results.json").read_text())["cells"]}
+    tokens = lambda folder, row: [json.loads(line)["tokens"] for line in (folder / row["outputs"]).open()]  # noqa: E731
     data = json.loads((thrice / "results.json").read_text())
     assert data["settings"]["repeats"] == 3 and len(data["cells"]) == 2
     for c in data["cells"]:
@@ -184,10 +185,12 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
         assert len(rounds) == 3 and c["speedup"] == sorted(rounds)[1] == c["speedup_uncorrected"]
         assert c["speedup_spread"] == pytest.approx(max(rounds) - min(rounds), abs=2e-3)  # each stored rounded
         assert c["speedup"] == pytest.approx(c["tokens_per_s"] / c["baseline_tokens_per_s"], abs=2e-3)
-        tokens = lambda folder, cell: [json.loads(line)["tokens"] for line in (folder / cell["outputs"]).open()]  # noqa: E731
         assert tokens(thrice, c) == tokens(once, single[c["id"]])  # the same decoding, three times
         assert (c["alpha"], c["tau"]) == (single[c["id"]]["alpha"], single[c["id"]]["tau"])
-    assert set(data["baselines"]) == {"mtbench|T=0.0", "mtbench|T=1.0"}
+    baselines = json.loads((once / "results.json").read_text())["baselines"]
+    assert set(data["baselines"]) == set(baselines) == {"mtbench|T=0.0", "mtbench|T=1.0"}
+    for base_id, base in data["baselines"].items():  # target-only decoding beside the cell: the same texts, in order
+        assert tokens(thrice, base) == tokens(once, baselines[base_id]) and base["tokens"] == baselines[base_id]["tokens"]
     assert "decoded 3 times" in (thrice / "report.md").read_text()
 
     old = json.loads((once / "results.json").read_text())
