@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
+from specdrafter.kinds import check_recipe
 
 
 def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> None:
@@ -28,6 +29,7 @@ def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> 
         sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...] [--print-config]")
     try:
         cfg = load_recipe(args[0], args[1:])
+        check_recipe(cfg)  # the rules that depend on the drafter kind
         if os.environ.get("RANK", "0") == "0":  # one copy of the recipe under a multi-rank launcher
             print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
         if print_only:

@@ -84,8 +84,9 @@ from specdrafter.inference.autotune import (
 )
 from specdrafter.inference.decode import ASDSettings, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate
-from specdrafter.inference.run import build_proposer, serving_model
+from specdrafter.inference.run import build_proposer
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")
 
@@ -96,8 +97,8 @@ def find_run_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
     directory, or a bare drafter folder); a self-draft needs none."""
     kind, path = cfg.drafter.kind.value, cfg.eval.checkpoint or cfg.drafter.path
     if path is None:
-        if kind == "self_draft":
-            return [Checkpoint("self_draft", None, None)]
+        if not kind_of(cfg).needs_folder:
+            return [Checkpoint(kind, None, None)]
         raise SpecdrafterError("recipe key 'eval.checkpoint' is required: a checkpoint, a drafter folder or a run directory "
                                "(checkpoint=... on the command line)")
     found = find_checkpoints(path)
@@ -373,7 +374,7 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     checkpoint brings its fine-tuned backbone, which is what it serves."""
     c = cfg.copy()
     c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
-    serving = serving_model(ckpt.drafter, target) if c.drafter.kind.value == "medusa" and ckpt.drafter else target
+    serving = kind_of(c).serving_target(ckpt.drafter, target)
     chain = c.copy()
     chain.inference.tree, chain.inference.dynamic_tree.total_tokens = [], 0
     tree = build_proposer(c, serving) if {"tree", "typical"} & set(verifiers) else None

@@ -110,6 +110,11 @@ def save_medusa(heads: MedusaHeads, folder: str | Path) -> Path:
     return save_config_and_weights(heads, folder)
 
 
+def is_medusa_config(config: dict) -> bool:
+    """Whether a config.json describes Medusa heads (ours and vLLM's MedusaModel)."""
+    return config.get("model_type") == "medusa" or "MedusaModel" in (config.get("architectures") or [])
+
+
 def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
     folder = Path(folder)
     try:
@@ -119,7 +124,7 @@ def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> Medus
         raise SpecdrafterError(f"could not load the Medusa heads in {str(folder)!r}: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise SpecdrafterError(f"{str(folder / 'config.json')!r} holds a JSON {type(raw).__name__}, not an object")
-    if raw.get("model_type") != "medusa" and "MedusaModel" not in (raw.get("architectures") or []):
+    if not is_medusa_config(raw):
         raise SpecdrafterError(f"{str(folder)!r} is not a Medusa checkpoint (model_type: {raw.get('model_type')!r})")
     heads = MedusaHeads(MedusaConfig.from_dict(raw))
     try:

@@ -33,9 +33,9 @@ from specdrafter.inference.eagle import EagleProposer
 from specdrafter.inference.medusa import MedusaProposer
 from specdrafter.inference.proposers import DraftModelProposer
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.kinds import build_drafter
 from specdrafter.models.eagle import Eagle3Head, full_vocab_maps, load_eagle3
 from specdrafter.models.medusa import MedusaConfig, MedusaHeads, load_medusa
-from specdrafter.train.drafters import build_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3",

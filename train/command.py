@@ -5,23 +5,26 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig
 
 from specdrafter.core.cli import cli
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.kinds import kind_of, trainable_by
 from specdrafter.train.loop import train
 from specdrafter.train.plan import preflight
 
 
-def train_command(kinds: Sequence[str]) -> None:
-    """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume."""
+def train_command() -> None:
+    """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume. The recipe's
+    drafter kind must be one this script trains (kinds/: launcher)."""
+    script = Path(sys.argv[0]).name
+
     def main(cfg: DictConfig) -> None:
-        kind = cfg.drafter.kind.value
-        if kind not in kinds:
-            raise SpecdrafterError(f"recipe key 'drafter.kind' is {kind}, but {Path(sys.argv[0]).name} "
-                                   f"trains {' or '.join(kinds)}")
+        kind = kind_of(cfg)
+        if kind.launcher != script:
+            trains = " or ".join(k.name for k in trainable_by(script)) or "no drafter kind"
+            raise SpecdrafterError(f"recipe key 'drafter.kind' is {kind.name}, but {script} trains {trains}")
         preflight(cfg)  # on CUDA: recipe sanity and the memory plan before anything loads (CPU: nothing)
         train(cfg)
     cli(main)
