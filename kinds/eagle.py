@@ -10,9 +10,9 @@ from omegaconf import DictConfig
 
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
 from specdrafter.kinds.base import ArmSpec, Kind, tree_size
-from specdrafter.models.eagle import EAGLE1_ARCH, load_eagle1, load_eagle3
+from specdrafter.models.eagle import EAGLE1_ARCH, default_aux_layers, eagle3_layout, load_eagle1, load_eagle3
 from specdrafter.train import memory
-from specdrafter.train.drafters import Eagle1Drafter, Eagle3Drafter, default_aux_layers
+from specdrafter.train.drafters import Eagle1Drafter, Eagle3Drafter
 from specdrafter.train.memory import Shapes
 
 DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # the bench's tree verified whole, unless the recipe has one
@@ -32,7 +32,7 @@ class Eagle3(Kind):
     load = staticmethod(load_eagle3)
 
     def recognises(self, config: dict) -> bool:
-        return any("Eagle3" in a for a in _architectures(config))
+        return eagle3_layout(config) is not None  # ours, and what SpecForge, the EAGLE repo and speculators write
 
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return Eagle3Drafter(cfg, target, data, tokenizer)

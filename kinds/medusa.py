@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, serving_backbone
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
-from specdrafter.models.medusa import check_heads_fit, is_medusa_config, load_medusa
+from specdrafter.models.medusa import check_heads_fit, load_medusa, medusa_layout
 from specdrafter.train import memory
 from specdrafter.train.drafters import MedusaDrafter
 from specdrafter.train.memory import Shapes
@@ -32,7 +32,7 @@ class Medusa(Kind):
     plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256")
 
     def recognises(self, config: dict) -> bool:
-        return is_medusa_config(config)
+        return medusa_layout(config) is not None
 
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return MedusaDrafter(cfg, target, data, tokenizer)

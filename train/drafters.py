@@ -23,7 +23,15 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError, check_model_folder, publish_dir, temp_dir_beside, write_config_and_weights
-from specdrafter.models.eagle import Eagle1Head, Eagle3Head, check_aux_order, eagle1_config, eagle3_config, save_eagle3
+from specdrafter.models.eagle import (
+    Eagle1Head,
+    Eagle3Head,
+    check_aux_order,
+    default_aux_layers,
+    eagle1_config,
+    eagle3_config,
+    save_eagle3,
+)
 from specdrafter.models.features import capture_features, check_layer_ids
 from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from specdrafter.train.batches import Batch
@@ -285,10 +293,6 @@ class MedusaDrafter:
 
 
 # ----------------------------------------------------------------------------------------------- EAGLE-3
-def default_aux_layers(num_layers: int) -> List[int]:
-    return [2, num_layers // 2, num_layers - 3]  # low, middle, high (EAGLE-3)
-
-
 class Eagle3Drafter:
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
