@@ -289,8 +289,9 @@ class EvalConfig:
     k_sweep: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     asd_sweep: List[List[float]] = field(default_factory=lambda: [[4, 0.25, 1], [16, 0.5, 2]])  # [budget, gate, max_mismatches]
     # Decode each cell this many times, each time with target-only decoding of every prompt right beside the
-    # cell's: its speedup is the median of those side-by-side ratios and its spread their range. 1: one run per
-    # cell against the set's one baseline, drift-corrected (the spread is then how far the machine's step time moved).
+    # cell's: speedup_median is the median of those side-by-side ratios, speedup_range their range. 1: one run per
+    # cell against the set's one baseline: speedup_drift_corrected, with speedup_drift_spread (how far the machine's
+    # step time moved).
     repeats: int = 1
     output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
     wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)

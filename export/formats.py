@@ -53,6 +53,7 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
+from specdrafter.eval.acceptance import speedup_of
 from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
@@ -439,6 +440,8 @@ def acceptance_table(src: Source) -> str:
     if not shown and cells:  # no cell of this step: the newest evaluated checkpoint's, said so
         newest = max((c.get("step") or 0) for c in cells)
         shown = [c for c in cells if (c.get("step") or 0) == newest]
+    # the speedup of whichever kind the cell measured (eval.repeats: drift-corrected, or the side-by-side median)
+    shown = [{**c, "speedup": measured.value} if (measured := speedup_of(c)) else c for c in shown]
     columns = [("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k", "k"), ("α", "alpha"),
                ("τ", "tau"), ("speedup", "speedup")]
     columns = [(name, key) for name, key in columns if any(key in c for c in shown)]
