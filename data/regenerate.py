@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from specdrafter.core.cli import cli
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
@@ -625,3 +626,13 @@ def load_shard(folder: Path) -> datasets.Dataset:
             problem = f"unreadable ({first_line(e)})"
     raise SpecdrafterError(f"shard {str(folder)!r} is damaged: {problem}; rerun the data job (launch/generate_data.py) "
                            "to regenerate it")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m specdrafter.data.regenerate RECIPE.yaml [key=value ...] [--print-config]` (launch/generate_data.py)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli(generate_dataset, argv)
+
+
+if __name__ == "__main__":
+    main()
