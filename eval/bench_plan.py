@@ -33,8 +33,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-RECIPES = {"eagle3": "recipes/smollm2-135m-eagle3.yaml", "medusa": "recipes/smollm2-135m-medusa.yaml",
-           "draft": "recipes/smollm2-135m-draft.yaml"}
+from specdrafter.recipes import RECIPES_DIR
+
+RECIPES = {name: str(RECIPES_DIR / f"smollm2-135m-{name}.yaml") for name in ("eagle3", "medusa", "draft")}
 OVERRIDES = {"eagle3": [], "medusa": ["train.micro_batch_size=1", "train.max_length=256"],
              "draft": ["train.micro_batch_size=2", "train.max_length=256"]}
 DEFAULT_RUNS = [f"{name}:{zero}:{ranks}" for name in ("eagle3", "medusa", "draft") for zero, ranks in ((0, 1), (0, 2), (2, 2))]
