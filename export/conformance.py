@@ -1,6 +1,7 @@
 """Conformance run (issue 15): do the engines' own loaders read our exports unchanged? Not part of the test suite.
 
-    python launch/conformance.py [--out runs/conformance] [--skip-install]
+    python launch/conformance.py [--out runs/conformance] [--reinstall]
+    python -m specdrafter.export.conformance [--out runs/conformance] [--reinstall]   (the same)
 
 1. Creates (or reuses) a virtual environment at `cache_dir()/conformance-venv` (system site packages visible, so it
    reuses this machine's CPU torch / transformers) and pip-installs the engines' wheels without their GPU
@@ -32,7 +33,6 @@ VLLM_DEPS = ["pyzmq", "msgspec", "cachetools", "cbor2", "pybase64", "blake3", "p
              "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "partial_json_parser", "llguidance"]  # what its model code imports
 SPECULATORS_DEPS = ["loguru", "pydantic-settings"]
 DRAFTERS = {"eagle3-pruned": "eagle3", "eagle3-full": "eagle3", "medusa": "medusa", "draft": "draft_model"}
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ================================================================================= this environment: the driver
@@ -94,6 +94,7 @@ def build_and_export(work: Path) -> dict:
     from specdrafter.core.recipe import load_recipe
     from specdrafter.data.assets import ensure_smollm2
     from specdrafter.export.formats import FORMATS, export
+    from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.drafters import build_drafter
 
     shutil.rmtree(work, ignore_errors=True)
@@ -116,7 +117,7 @@ def build_and_export(work: Path) -> dict:
     refs, exports = {}, {}
     for name, kind in DRAFTERS.items():
         run = work / "runs" / name
-        cfg = load_recipe(REPO / "recipes" / f"{recipes[kind]}.yaml",
+        cfg = load_recipe(RECIPES_DIR / f"{recipes[kind]}.yaml",
                           [f"output_dir={run}", f"target.model={target_dir}", f"train.data_dir={run / 'data'}",
                            f"drafter.kind={kind}", "drafter.eagle.aux_layer_ids=[1,2,3]", "inference.k=3",
                            "train.wandb.mode=disabled", *extra[name]])
@@ -187,7 +188,7 @@ def main() -> None:
     from specdrafter.data.assets import cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(REPO / "runs" / "conformance"))
+    p.add_argument("--out", default="runs/conformance")
     p.add_argument("--reinstall", action="store_true", help="pip-install again into the existing venv")
     a = p.parse_args()
     out, venv = Path(a.out), cache_dir() / "conformance-venv"
