@@ -25,6 +25,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdrafter.core.recipe import load_recipe
+    from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch
     from specdrafter.train.drafters import build_drafter, needed_layers, run_target
 
@@ -33,7 +34,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                          tie_word_embeddings=False)
     target = LlamaForCausalLM(config).eval().requires_grad_(False)
-    cfg = load_recipe("recipes/llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
+    cfg = load_recipe(RECIPES_DIR / "llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
     tokens_seen = type("Counts", (), {"target_tokens": staticmethod(lambda: [torch.randint(0, V, (200_000,))])})
     drafter = build_drafter(cfg, target, tokens_seen)
     layers = needed_layers(cfg, config)
