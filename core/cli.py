@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
+from specdrafter.kinds import check_recipe
 
 
 def cli(main: Callable[..., Any], argv: Optional[List[str]] = None, flags: Optional[Dict[str, Optional[int]]] = None,
@@ -31,6 +32,7 @@ def cli(main: Callable[..., Any], argv: Optional[List[str]] = None, flags: Optio
         sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...]{''.join(f' [{f} N]' for f in values)} [--print-config]")
     try:
         cfg = load_recipe(args[0], args[1:])
+        check_recipe(cfg)  # the rules that depend on the drafter kind
         if (show_recipe or print_only) and os.environ.get("RANK", "0") == "0":  # one copy under a multi-rank launcher
             print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
         if print_only:

@@ -289,8 +289,9 @@ class EvalConfig:
     k_sweep: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     asd_sweep: List[List[float]] = field(default_factory=lambda: [[4, 0.25, 1], [16, 0.5, 2]])  # [budget, gate, max_mismatches]
     # Decode each cell this many times, each time with target-only decoding of every prompt right beside the
-    # cell's: its speedup is the median of those side-by-side ratios and its spread their range. 1: one run per
-    # cell against the set's one baseline, drift-corrected (the spread is then how far the machine's step time moved).
+    # cell's: speedup_median is the median of those side-by-side ratios, speedup_range their range. 1: one run per
+    # cell against the set's one baseline: speedup_drift_corrected, with speedup_drift_spread (how far the machine's
+    # step time moved).
     repeats: int = 1
     output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
     wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)
@@ -548,9 +549,8 @@ def _check_values(cfg: DictConfig) -> None:
     for key, (ok, rule) in checks.items():
         if not ok:
             raise RecipeError(f"recipe key {key!r} must be {rule}, got {OmegaConf.select(cfg, key)}")
-    if inf.verifier.value == "typical" and (cfg.drafter.kind.value != "medusa" or not inf.tree):
-        raise RecipeError("recipe key 'inference.verifier': typical acceptance needs drafter.kind=medusa and a static "
-                          "inference.tree")
+    if inf.verifier.value == "typical" and not inf.tree:  # and heads that draft it (kinds/: check_recipe)
+        raise RecipeError("recipe key 'inference.verifier': typical acceptance needs a static inference.tree")
     if inf.tree and inf.dynamic_tree.total_tokens:
         raise RecipeError("recipe keys 'inference.tree' and 'inference.dynamic_tree.total_tokens': choose a static or a dynamic "
                           "tree, not both")
@@ -604,7 +604,7 @@ def _check_training(cfg: DictConfig) -> None:
 
 
 def _check_eval(cfg: DictConfig) -> None:
-    e, kind, inf = cfg.eval, cfg.drafter.kind.value, cfg.inference
+    e, inf = cfg.eval, cfg.inference
     checks = {"eval.num_prompts": (e.num_prompts >= 1, ">= 1"), "eval.max_new_tokens": (e.max_new_tokens >= 1, ">= 1"),
               "eval.repeats": (e.repeats >= 1, ">= 1"),
               "eval.sets": (len(e.sets) >= 1, "a non-empty list"), "eval.verifiers": (len(e.verifiers) >= 1, "a non-empty list"),
@@ -624,8 +624,8 @@ def _check_eval(cfg: DictConfig) -> None:
     if "tree" in verifiers and not (inf.tree or inf.dynamic_tree.total_tokens):
         raise RecipeError("recipe key 'eval.verifiers': tree needs inference.tree (static) or "
                           "inference.dynamic_tree.total_tokens")
-    if "typical" in verifiers and (kind != "medusa" or not inf.tree):
-        raise RecipeError("recipe key 'eval.verifiers': typical acceptance needs drafter.kind=medusa and a static inference.tree")
+    if "typical" in verifiers and not inf.tree:  # and heads that draft it (kinds/: check_recipe)
+        raise RecipeError("recipe key 'eval.verifiers': typical acceptance needs a static inference.tree")
 
 
 def server_url_problem(url: str) -> Optional[str]:

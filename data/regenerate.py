@@ -34,7 +34,6 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from specdrafter.core.cli import cli
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
@@ -630,6 +629,8 @@ def load_shard(folder: Path) -> datasets.Dataset:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """`python -m specdrafter.data.regenerate RECIPE.yaml [key=value ...] [--print-config]` (launch/generate_data.py)."""
+    from specdrafter.core.cli import cli  # not at the top: core/cli.py → kinds/ → train/ imports this module
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cli(generate_dataset, argv)
 

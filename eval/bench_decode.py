@@ -39,12 +39,9 @@ from specdrafter.eval.report import machine_line
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate
-from specdrafter.inference.run import block_length, build_proposer, load_draft_model, load_serving_target
+from specdrafter.inference.run import block_length, build_proposer, load_serving_target
 from specdrafter.inference.sampling import SamplingParams
-
-DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
-DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # verified whole (eagle3_tree)
-AUTO_DYNAMIC_TREE = {"total_tokens": 32, "depth": 5, "top_k": 6}  # candidates the tuner sizes from (eagle3_tree_auto)
+from specdrafter.kinds import KINDS, ArmSpec, Kind, drafter_path
 
 Decode = Callable  # (prompt ids, temperature, generator) → list of new tokens, or a GenerationResult
 
@@ -78,62 +75,30 @@ class Setup:
 
 
 def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
-    """What is measured: target-only HF `generate`, then the arms of every drafter given (or the recipe's own)."""
+    """What is measured: target-only HF `generate`, then the arms of every drafter given (`--<kind> PATH`), or of the
+    recipe's own drafter; each kind names its arms (kinds/: bench_arms)."""
     setup = Setup(target, eos, args.max_new_tokens, cfg.inference)
-    given = {"draft_model": args.draft_model, "eagle3": args.eagle3, "medusa": args.medusa}
-    if not any(given.values()):  # the recipe's own drafter
-        given[cfg.drafter.kind.value] = cfg.drafter.path or "recipe"
+    given = {name: getattr(args, name) for name in KINDS if getattr(args, name, None)}
+    if not given:  # the recipe's own drafter
+        given[cfg.drafter.kind.value] = cfg.drafter.path
     arms = [Arm("target", hf_decoder(setup))]
-    if given.get("draft_model") or given.get("self_draft"):
-        kind = "draft_model" if given.get("draft_model") else "self_draft"
-        arms += draft_model_arms(cfg, setup, kind, given.get("draft_model"))
-    if given.get("eagle3"):
-        arms += eagle3_arms(cfg, setup, given["eagle3"])
-    if given.get("medusa"):
-        arms += medusa_arms(cfg, setup, given["medusa"])
+    for name, path in given.items():
+        arms += [build_arm(cfg, setup, KINDS[name], path, spec) for spec in KINDS[name].bench_arms(cfg)]
     return arms
 
 
-# ------------------------------------------------------------------------------------------- arm families
-def draft_model_arms(cfg: DictConfig, setup: Setup, kind: str, path: Optional[str]) -> List[Arm]:
-    """A draft model (or the self-draft): HF assisted generation with it, our chain, and the recipe's static tree."""
-    inf, k = cfg.inference, cfg.inference.k
-    c = variant(cfg, kind, path)
-    arms = [Arm("hf_assisted", hf_decoder(setup, load_draft_model(c, setup.target)), f"k={k}"),
-            Arm(f"{kind}_chain", chain_decoder(setup, build_proposer(c, setup.target)), f"k={k}", k)]
-    if inf.tree:  # the recipe's static tree for the draft model too
-        tree = build_proposer(variant(cfg, kind, path, tree=inf.tree), setup.target)
-        arms.append(Arm(f"{kind}_tree", tree_decoder(setup, tree), f"tree {len(inf.tree) + 1}", tree_size=len(inf.tree) + 1))
-    return arms
-
-
-def eagle3_arms(cfg: DictConfig, setup: Setup, path: str) -> List[Arm]:
-    """An EAGLE-3 head: chain, the dynamic tree verified whole and auto-sized, and ASD (T = 0) on the chain."""
-    inf, k = cfg.inference, cfg.inference.k
-    eagle = build_proposer(variant(cfg, "eagle3", path), setup.target)
-    recipe_tree = {key: inf.dynamic_tree[key] for key in DEFAULT_DYNAMIC_TREE} if inf.dynamic_tree.total_tokens else {}
-    dyn = {**DEFAULT_DYNAMIC_TREE, **recipe_tree}  # the recipe's dynamic tree, or the default one
-    asd = ASDSettings(inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches)
-    return [Arm("eagle3_chain", chain_decoder(setup, eagle), f"k={k}", k),
-            eagle3_tree_arm(cfg, setup, path, "eagle3_tree", {**dyn, "auto_size": False}),
-            eagle3_tree_arm(cfg, setup, path, "eagle3_tree_auto", {**dyn, **AUTO_DYNAMIC_TREE, "auto_size": True}),
-            Arm("eagle3_asd", chain_decoder(setup, eagle, asd), f"k={k} B={inf.asd.budget:g}", k, greedy_only=True)]
-
-
-def eagle3_tree_arm(cfg: DictConfig, setup: Setup, path: str, name: str, tree: dict) -> Arm:
-    """An EAGLE-3 dynamic tree (`tree`: total_tokens, depth, top_k, auto_size), verified whole or auto-sized."""
-    label = f"dynamic {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}" + (" auto" if tree["auto_size"] else "")
-    proposer = build_proposer(variant(cfg, "eagle3", path, dynamic_tree=tree), setup.target)
-    return Arm(name, tree_decoder(setup, proposer), label, tree_size=tree["total_tokens"] + 1)
-
-
-def medusa_arms(cfg: DictConfig, setup: Setup, path: str) -> List[Arm]:
-    """Medusa heads on a static tree (the recipe's, or a default one): exact tree verification and typical acceptance."""
-    choices = [list(x) for x in cfg.inference.tree] or DEFAULT_MEDUSA_TREE
-    medusa = build_proposer(variant(cfg, "medusa", path, tree=choices), setup.target)
-    size = len(choices) + 1
-    return [Arm("medusa_tree", tree_decoder(setup, medusa), f"tree {size}", tree_size=size),
-            Arm("medusa_typical", typical_decoder(setup, medusa), f"tree {size}", tree_size=size)]
+def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], spec: ArmSpec) -> Arm:
+    c = variant(cfg, kind.name, path, **spec.inference)
+    if spec.decoder == "hf_assisted":  # HF assisted generation with the draft model itself
+        return Arm(spec.name, hf_decoder(setup, kind.model(c, setup.target, drafter_path(c))), spec.label)
+    proposer = build_proposer(c, setup.target)
+    if spec.decoder == "chain":
+        return Arm(spec.name, chain_decoder(setup, proposer), spec.label, spec.k)
+    if spec.decoder == "asd":
+        asd = ASDSettings(cfg.inference.asd.budget, cfg.inference.asd.gate, cfg.inference.asd.max_mismatches)
+        return Arm(spec.name, chain_decoder(setup, proposer, asd), spec.label, spec.k, greedy_only=True)
+    decoder = typical_decoder if spec.decoder == "typical" else tree_decoder
+    return Arm(spec.name, decoder(setup, proposer), spec.label, tree_size=spec.tree_size)
 
 
 def variant(cfg: DictConfig, kind: str, path, **inference) -> DictConfig:
@@ -352,9 +317,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--draft-model")
-    parser.add_argument("--eagle3")
-    parser.add_argument("--medusa")
+    for kind in KINDS.values():
+        if kind.needs_folder:  # --draft-model, --eagle3, --medusa, ...: that kind's drafter folder
+            parser.add_argument(f"--{kind.name.replace('_', '-')}", dest=kind.name, metavar="PATH")
     parser.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     parser.add_argument("--prompts", type=int, default=2, help="per set")
     parser.add_argument("--max-new-tokens", type=int, default=48)

@@ -33,12 +33,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from specdrafter.kinds import KINDS
 from specdrafter.recipes import RECIPES_DIR
 
-RECIPES = {name: str(RECIPES_DIR / f"smollm2-135m-{name}.yaml") for name in ("eagle3", "medusa", "draft")}
-OVERRIDES = {"eagle3": [], "medusa": ["train.micro_batch_size=1", "train.max_length=256"],
-             "draft": ["train.micro_batch_size=2", "train.max_length=256"]}
-DEFAULT_RUNS = [f"{name}:{zero}:{ranks}" for name in ("eagle3", "medusa", "draft") for zero, ranks in ((0, 1), (0, 2), (2, 2))]
+# One run per kind with a SmolLM2 recipe, shrunk to what this CPU trains in seconds (kinds/: plan_bench_overrides)
+RECIPES = {k.name: str(RECIPES_DIR / k.recipe) for k in KINDS.values() if k.recipe}
+OVERRIDES = {k.name: list(k.plan_bench_overrides) for k in KINDS.values() if k.recipe}
+DEFAULT_RUNS = [f"{name}:{zero}:{ranks}" for name in RECIPES for zero, ranks in ((0, 1), (0, 2), (2, 2))]
 GIB = 2**30
 
 
@@ -84,8 +85,8 @@ def worker(recipe: str, overrides, steps: int) -> dict:
 
     from specdrafter.core.recipe import load_recipe
     from specdrafter.data.assets import load_target
+    from specdrafter.kinds import build_drafter, kind_of
     from specdrafter.train.batches import Batch
-    from specdrafter.train.drafters import build_drafter, needed_layers
     from specdrafter.train.loop import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
 
     cfg = load_recipe(recipe, overrides)
@@ -104,7 +105,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     if tracker:
         for tensor in list(target.parameters()) + list(target.buffers()):
             tracker.add(tensor)
-    layers = needed_layers(cfg, target.config)
+    layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
     drafter = build_drafter(cfg, target, None, tokenizer)
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and cuda)
     optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))

@@ -25,9 +25,10 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdrafter.core.recipe import load_recipe
+    from specdrafter.kinds import build_drafter, kind_of
     from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch
-    from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+    from specdrafter.train.drafters import run_target
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
@@ -37,7 +38,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     cfg = load_recipe(RECIPES_DIR / "llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
     tokens_seen = type("Counts", (), {"target_tokens": staticmethod(lambda: [torch.randint(0, V, (200_000,))])})
     drafter = build_drafter(cfg, target, tokens_seen)
-    layers = needed_layers(cfg, config)
+    layers = kind_of(cfg).feature_layers(cfg, config.num_hidden_layers)
     input_ids = torch.randint(0, V, (1, tokens))
     loss_mask = torch.ones(1, tokens, dtype=torch.long)
     loss_mask[:, :16] = 0

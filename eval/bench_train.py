@@ -32,8 +32,9 @@ import torch
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_target
+from specdrafter.kinds import build_drafter, kind_of
 from specdrafter.train.batches import TrainingData
-from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+from specdrafter.train.drafters import run_target
 
 
 def main(argv=None):
@@ -58,7 +59,7 @@ def main(argv=None):
         t = cfg.train
         target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
         target.requires_grad_(False)
-        layers = needed_layers(cfg, target.config)
+        layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
         offline = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed, layers)
         drafter = build_drafter(cfg, target, offline, tokenizer)
     except SpecdrafterError as e:
@@ -100,7 +101,7 @@ def main(argv=None):
             times[name].append(time.perf_counter() - start)
     tokens = sum(b.num_tokens for b in cached)  # the same real tokens in every arm
     median = {name: statistics.median(v) for name, v in times.items()}
-    report = {"drafter": drafter.kind, "micro_batch_size": mb, "precision": t.precision.value,
+    report = {"drafter": cfg.drafter.kind.value, "micro_batch_size": mb, "precision": t.precision.value,
               "group_by_length": t.group_by_length, "tokens_per_repeat": tokens,
               "tokens_per_s": {name: round(tokens / s, 1) for name, s in median.items()},
               "online_step_over_target_forward": round(median["online_step"] / median["target_forward"], 3),
@@ -118,6 +119,9 @@ def _free_port() -> int:
 def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dict:
     """Training tokens/s of the real DeepSpeed launch at each world size, one launch after another."""
     cfg = load_recipe(recipe, overrides)  # checks the recipe and the overrides before any launch
+    kind = kind_of(cfg)
+    if not kind.trainable:
+        raise SpecdrafterError(f"recipe key 'drafter.kind': {kind.name} is not trainable")
     cores = os.cpu_count() or 1
     runs = {}
     for n in ranks:

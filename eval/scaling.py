@@ -33,6 +33,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from specdrafter.core.cli import cli  # noqa: E402
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
+from specdrafter.eval.acceptance import speedup_of  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -71,15 +72,17 @@ def ensure_data(cfg: DictConfig, recipe: str, overrides: List[str], source: str,
 
 
 def summarise(results: Path) -> Dict[str, dict]:
-    """{ "<set>|T=<t>|<verifier>": {tau, alpha, speedup, ...} } from an eval job's results.json (newest checkpoint)."""
+    """{ "<set>|T=<t>|<verifier>": {tau, alpha, the speedup's fields, ...} } from an eval job's results.json (newest
+    checkpoint)."""
     data = json.loads(results.read_text())
     out = {}
     for c in data["cells"]:
         if c["sweep"] or c["verifier"] == "asd":
             continue
+        speedup = speedup_of(c)
         out[f"{c['set']}|T={c['temperature']:g}|{c['verifier']}"] = {
-            k: c.get(k) for k in ("tau", "alpha", "speedup", "speedup_spread", "predicted_speedup", "k_used",
-                                  "mean_tree_size")}
+            "tau": c.get("tau"), "alpha": c.get("alpha"), **(speedup.row() if speedup else {}),
+            **{k: c.get(k) for k in ("predicted_speedup", "k_used", "mean_tree_size")}}
     return out
 
 
@@ -170,11 +173,12 @@ def write_scaling_report(report: dict, out: Path) -> None:
     def value(cell, field, fmt):
         return fmt.format(cell[field]) if cell and cell.get(field) is not None else "–"
 
-    def speedup(cell):  # with its measured spread (± the machine's drift), where the eval job recorded one
-        if not cell or cell.get("speedup") is None:
+    def speedup(cell):  # with its spread (the machine's drift, or the side-by-side rounds' range) where one was recorded
+        measured = speedup_of(cell) if cell else None
+        if measured is None:
             return "–"
-        spread = cell.get("speedup_spread")
-        return f"{cell['speedup']:.2f}×" + (f" ± {spread:.2f}" if spread is not None else "")
+        spread = measured.spread
+        return f"{measured.value:.2f}×" + (f" ± {spread:.2f}" if spread is not None else "")
 
     for name, r in ordered:
         for case in cases:

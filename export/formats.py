@@ -53,14 +53,13 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
+from specdrafter.eval.acceptance import speedup_of
+from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
-from specdrafter.models.kinds import KIND_NAMES, drafter_kind_of
 from specdrafter.models.medusa import load_medusa
 
-FORMATS = {"vllm": "eagle3", "sglang": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa", "medusa": "medusa",
-           "hf-draft": "draft_model"}  # --format → the drafter kind it exports
+FORMATS = {f: kind for kind in KINDS.values() for f in kind.formats}  # --format → the drafter kind it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
-TAGS = {"eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft-model"}
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
 BUILTIN_DIRS = {"smollm2-135m-instruct": SMOLLM2_DIR}  # built-in target → its converted folder (data/assets.py)
@@ -78,6 +77,7 @@ ENGINES = {  # --format → the engine versions known to load it (their own code
                "read the files as they are"),
     "hf-draft": "transformers loads this folder (assisted generation); vLLM and SGLang draft-model serving is not checked",
 }
+AUX_LAYER_FORMATS = ("vllm", "sglang", "speculators")  # the EAGLE-3 formats: they name target layers to capture
 EAGLE_REPO = ("The EAGLE repo's own `EaModel` is not supported: with `target_hidden_size` in the config (always "
               "written here) it does not give the head the target's token embeddings.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -89,7 +89,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class Source:
     """What to export: the drafter folder and whatever the training left beside it."""
     drafter: Path
-    kind: str  # eagle3 | eagle1 | medusa | draft_model
+    kind: Kind
     recipe: Optional[DictConfig]  # the resolved recipe of the run (None: a bare drafter folder without one)
     state: dict = field(default_factory=dict)  # trainer_state.json: {"step", "drafter", "metrics", ...}
     eval_results: Optional[Path] = None  # <run>/eval/results.json, if an evaluation ran
@@ -101,17 +101,19 @@ def find_source(path: str | os.PathLike) -> Source:
     newest = find_checkpoints(path)[-1]
     recipe = load_saved_recipe(newest.recipe) if newest.recipe is not None else None
     results = newest.run / "eval" / "results.json"
-    return Source(newest.drafter, newest.state.get("drafter") or drafter_kind(newest.drafter), recipe, newest.state,
+    name = newest.state.get("drafter")
+    kind = KINDS[name] if name in KINDS else drafter_kind(newest.drafter)
+    return Source(newest.drafter, kind, recipe, newest.state,
                   results if results.is_file() and json_file_problem(results) is None else None)
 
 
-def drafter_kind(folder: Path) -> str:
+def drafter_kind(folder: Path) -> Kind:
     """The kind of a drafter folder, from its config.json (for folders without a trainer_state.json)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as e:
         raise SpecdrafterError(f"{str(folder / 'config.json')!r} is not valid JSON ({e})") from None
-    kind = drafter_kind_of(config)
+    kind = kind_of_config(config)
     if kind is None:
         raise SpecdrafterError(f"{str(folder)!r} holds no drafter specdrafter can export "
                                f"(architectures: {config.get('architectures') or []})")
@@ -220,14 +222,13 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
 
 
 def check_kind(src: Source, fmt: str) -> None:
-    if src.kind == "eagle1":
-        raise SpecdrafterError(f"{str(src.drafter)!r} holds an EAGLE-1 head, which has no engine format here (vLLM and "
-                               "SGLang serve EAGLE-1 only in the EAGLE repo's own layout); train an EAGLE-3 head instead")
-    if FORMATS[fmt] != src.kind:
-        fits = [f for f, kind in FORMATS.items() if kind == src.kind]
-        raise SpecdrafterError(f"--format {fmt} exports {KIND_NAMES[FORMATS[fmt]]}, but {str(src.drafter)!r} holds "
-                               f"{KIND_NAMES.get(src.kind, src.kind)} (drafter kind {src.kind}); "
-                               + (f"use --format {' or '.join(fits)}" if fits else "that kind has no export"))
+    if not src.kind.formats:
+        raise SpecdrafterError(f"{str(src.drafter)!r} holds {src.kind.description}, which has no engine format here: "
+                               f"{src.kind.no_export}")
+    if FORMATS[fmt] is not src.kind:
+        raise SpecdrafterError(f"--format {fmt} exports {FORMATS[fmt].description}, but {str(src.drafter)!r} holds "
+                               f"{src.kind.description} (drafter kind {src.kind.name}); "
+                               f"use --format {' or '.join(src.kind.formats)}")
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-3
@@ -403,10 +404,9 @@ def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], mo
     """README.md: YAML front matter the Hub indexes, then acceptance, serving, the aux-layer convention and the recipe."""
     kind, step = src.kind, src.state.get("step")
     front = ([f"base_model: {target.hub_id}"] if target.hub_id else []) + [
-        f"library_name: {LIBRARIES[fmt]}", "tags:", "- speculative-decoding", f"- {TAGS[kind]}"]
-    what = {"eagle3": "EAGLE-3 draft head", "medusa": "Medusa heads", "draft_model": "Draft model"}[kind]
-    lines = ["---", *front, "---", "", f"# {what} for {target.name}", "",
-             f"Trained with specdrafter (drafter kind `{kind}`"
+        f"library_name: {LIBRARIES[fmt]}", "tags:", "- speculative-decoding", f"- {kind.card_tag}"]
+    lines = ["---", *front, "---", "", f"# {kind.card_title} for {target.name}", "",
+             f"Trained with specdrafter (drafter kind `{kind.name}`"
              + (f", training step {step}" if step is not None else "") + f") and exported as `{fmt}`."
              + ("" if target.hub_id else f" The target is a local model (`{target.name}`) without a known Hub id."), ""]
     if (src.drafter / "backbone").is_dir():
@@ -415,7 +415,7 @@ def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], mo
                    "base model a Medusa loader opens): the heads read its hidden states, and decoding verifies against "
                    "it. With the original target the heads' acceptance drops."), ""]
     lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *serving(fmt, src, target, model), ""]
-    if kind == "eagle3":
+    if fmt in AUX_LAYER_FORMATS:
         lines += ["## Aux-layer convention", "", aux_convention(folder, fmt), ""]
     lines += ["## Files", "", *files_section(folder), ""]
     if recipe is not None:
@@ -440,6 +440,8 @@ def acceptance_table(src: Source) -> str:
     if not shown and cells:  # no cell of this step: the newest evaluated checkpoint's, said so
         newest = max((c.get("step") or 0) for c in cells)
         shown = [c for c in cells if (c.get("step") or 0) == newest]
+    # the speedup of whichever kind the cell measured (eval.repeats: drift-corrected, or the side-by-side median)
+    shown = [{**c, "speedup": measured.value} if (measured := speedup_of(c)) else c for c in shown]
     columns = [("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k", "k"), ("α", "alpha"),
                ("τ", "tau"), ("speedup", "speedup")]
     columns = [(name, key) for name, key in columns if any(key in c for c in shown)]
@@ -481,7 +483,7 @@ def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
     sglang = ["SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm "
               + {"sglang": "EAGLE3", "hf-draft": "STANDALONE"}.get(fmt, "") + f" --speculative-draft-model-path {model} "
               f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```"]
-    versions = [f"**Engine versions:** {ENGINES[fmt]}." + (" " + EAGLE_REPO if src.kind == "eagle3" else ""), ""]
+    versions = [f"**Engine versions:** {ENGINES[fmt]}." + (" " + EAGLE_REPO if fmt in AUX_LAYER_FORMATS else ""), ""]
     return lines + versions + engine_commands(fmt, src, target, model, vllm, sglang)
 
 

@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import TypicalConfig
 from specdrafter.inference.decode import GenerationResult, TreeAcceptance, tree_speculative_generate
-from specdrafter.inference.proposers import Proposal
+from specdrafter.inference.proposers import Proposal, check_vocabularies
 from specdrafter.inference.sampling import SamplingParams, sample, sampling_probs
 from specdrafter.inference.tree import TreeShape
 from specdrafter.inference.verify import verify_typical
 from specdrafter.models.medusa import MedusaHeads, check_heads_fit
+
+log = logging.getLogger("specdrafter")
+
+
+def serving_backbone(drafter_folder: Path, target):
+    """The target, or the Medusa-2 backbone saved in `drafter_folder/backbone` (on the target's device and dtype)."""
+    folder = Path(drafter_folder) / "backbone"
+    if not folder.is_dir():
+        return target
+    try:
+        backbone = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"could not load the Medusa-2 backbone {str(folder)!r}: {str(e).splitlines()[0]}") from None
+    check_vocabularies(target, backbone)
+    log.info(f"Medusa-2: serving the backbone fine-tuned with the heads ({folder}) in place of the target")
+    return backbone
 
 
 class MedusaProposer:

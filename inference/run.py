@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,12 +12,11 @@ from typing import Callable, List, Optional, Union
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM
 
-from specdrafter.core.io import SpecdrafterError, atomic_write_text, check_model_folder
+from specdrafter.core.io import SpecdrafterError, atomic_write_text
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner
+from specdrafter.inference.autotune import BlockLengthTuner
 from specdrafter.inference.decode import (
     ASDSettings,
     ContextOverflow,
@@ -26,47 +24,20 @@ from specdrafter.inference.decode import (
     speculative_generate,
     tree_speculative_generate,
 )
-from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
-from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, typical_generate
-from specdrafter.inference.proposers import (
-    DraftModelProposer,
-    DraftModelTreeProposer,
-    DynamicTreeProposer,
-    check_vocabularies,
-    self_draft,
-)
+from specdrafter.inference.medusa import typical_generate
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.models.eagle import load_eagle1, load_eagle3
-from specdrafter.models.kinds import KIND_NAMES, drafter_kind_of
-from specdrafter.models.medusa import check_heads_fit, load_medusa
+from specdrafter.kinds import drafter_path, kind_of
 
 log = logging.getLogger("specdrafter")
 
 
 def load_serving_target(cfg: DictConfig):
-    """(model, tokenizer) that decoding verifies with: the recipe's target — or, for Medusa-2 heads (a drafter
-    folder with a `backbone/`), the fine-tuned backbone trained with them, which is what Medusa-2 serves."""
-    if cfg.drafter.kind.value != "self_draft":
-        _drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
+    """(model, tokenizer) that decoding verifies with: the recipe's target, or what the drafter folder brings to
+    serve in its place (Medusa-2's fine-tuned backbone: kinds/: serving_target)."""
+    path = drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
-    if cfg.drafter.kind.value == "medusa" and cfg.drafter.path:
-        return serving_model(Path(cfg.drafter.path), target), tokenizer
-    return target, tokenizer
-
-
-def serving_model(drafter_folder: Path, target):
-    """The target, or the Medusa-2 backbone saved in `drafter_folder/backbone` (on the target's device and dtype)."""
-    folder = Path(drafter_folder) / "backbone"
-    if not folder.is_dir():
-        return target
-    try:
-        backbone = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
-    except (OSError, ValueError) as e:
-        raise SpecdrafterError(f"could not load the Medusa-2 backbone {str(folder)!r}: {str(e).splitlines()[0]}") from None
-    check_vocabularies(target, backbone)
-    log.info(f"Medusa-2: serving the backbone fine-tuned with the heads ({folder}) in place of the target")
-    return backbone
+    return kind_of(cfg).serving_target(Path(path) if path else None, target), tokenizer
 
 
 def block_length(inference: DictConfig) -> Union[int, BlockLengthTuner]:
@@ -75,69 +46,12 @@ def block_length(inference: DictConfig) -> Union[int, BlockLengthTuner]:
     return BlockLengthTuner(inference.k_max) if inference.k == "auto" else inference.k
 
 
-def tree_size(dynamic_tree: DictConfig) -> Optional[TreeSizeTuner]:
-    """The tuner that sizes every dynamic tree (inference.dynamic_tree.auto_size), or None: verify all total_tokens."""
-    return TreeSizeTuner(dynamic_tree.total_tokens) if dynamic_tree.auto_size else None
-
-
-def load_draft_model(cfg: DictConfig, target) -> torch.nn.Module:
-    """The draft *model* of a self_draft / draft_model recipe (also used as HF's `assistant_model`)."""
-    if cfg.drafter.kind.value == "self_draft":
-        return self_draft(target, cfg.drafter.num_layers)
-    try:
-        draft = AutoModelForCausalLM.from_pretrained(_drafter_path(cfg), dtype=target.dtype).to(target.device).eval()
-    except (OSError, ValueError) as e:
-        raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
-    check_vocabularies(target, draft)
-    return draft
-
-
-def _drafter_path(cfg: DictConfig) -> str:
-    if not cfg.drafter.path:
-        raise SpecdrafterError(f"recipe key 'drafter.path' is required to decode with a trained {cfg.drafter.kind.value} "
-                               "(a checkpoint's drafter/ folder or an export)")
-    path = cfg.drafter.path
-    if path.startswith(("/", ".", "~")) or os.path.exists(path):  # a local folder, not a hub id
-        check_drafter_folder(Path(path).expanduser(), cfg.drafter.kind.value)
-    return path
-
-
-def check_drafter_folder(folder: Path, kind: str) -> None:
-    """A drafter folder a user points at: complete and intact (core/io.py:check_model_folder) and of the recipe's kind."""
-    check_model_folder(folder, "drafter folder")
-    found = drafter_kind_of(json.loads((folder / "config.json").read_text()))
-    if found and found != kind:
-        raise SpecdrafterError(f"drafter folder {str(folder)!r} holds {KIND_NAMES[found]}, but recipe key "
-                               f"'drafter.kind' is {kind}")
-
-
 def build_proposer(cfg: DictConfig, target):
     """The proposer a recipe asks for: a chain, a static tree (inference.tree) or an EAGLE-2 dynamic tree
     (inference.dynamic_tree.total_tokens > 0). Tree proposers have `propose_tree`."""
-    inf, kind = cfg.inference, cfg.drafter.kind.value
-    dyn = inf.dynamic_tree
-    if kind in ("eagle3", "eagle1"):
-        head = (load_eagle3 if kind == "eagle3" else load_eagle1)(_drafter_path(cfg), target.dtype).to(target.device)
-        if inf.tree:
-            raise SpecdrafterError("recipe key 'inference.tree': an EAGLE head drafts dynamic trees; use "
-                                   "inference.dynamic_tree.total_tokens")
-        if not dyn.total_tokens:
-            return EagleProposer(head, target)
-        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
-    if kind == "medusa":
-        heads = load_medusa(_drafter_path(cfg), target.dtype).to(target.device)
-        check_heads_fit(heads, target)
-        if dyn.total_tokens:
-            raise SpecdrafterError("recipe key 'inference.dynamic_tree': Medusa heads draft static trees; use inference.tree")
-        if inf.tree:
-            return MedusaTreeProposer(heads, target, tree_from_choices([list(c) for c in inf.tree], heads.num_heads))
-        return MedusaProposer(heads, target)
-    draft = load_draft_model(cfg, target)
-    if inf.tree:
-        return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
-    if dyn.total_tokens:
-        return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
-    return DraftModelProposer(draft)
+    kind = kind_of(cfg)
+    kind.check_recipe(cfg)  # a tree the kind cannot draft is one line (recipes built in code come here unchecked)
+    return kind.proposer(cfg, target, drafter_path(cfg))
 
 
 @dataclass

@@ -9,4 +9,4 @@ Rerun the same command after an interruption to resume from the last checkpoint.
 from specdrafter.train.command import train_command
 
 if __name__ == "__main__":
-    train_command(("draft_model",))
+    train_command()

@@ -14,6 +14,8 @@ target's token embedding at run time; it is not part of the checkpoint. Training
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -143,28 +145,64 @@ def save_eagle3(head: nn.Module, folder: str | Path) -> Path:
 
 
 def load_eagle3(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    return _load_head(folder, dtype, "Eagle3", Eagle3Head, "EAGLE-3 head")
+    """An EAGLE-3 head in any layout `eagle3_layout` recognises: our training folders, our exports, and what
+    SpecForge, the EAGLE repo and speculators save (docs/formats.md §Loading heads trained elsewhere)."""
+    folder, what = Path(folder), "EAGLE-3 head"
+    raw, weights = _read_head_folder(folder, what)
+    layout = eagle3_layout(raw)
+    if layout is None:
+        raise SpecdrafterError(f"{str(folder)!r} is not an {what} checkpoint (architectures: {raw.get('architectures')}"
+                               + (f", speculators_model_type: {raw['speculators_model_type']!r}"
+                                  if "speculators_model_type" in raw else "") + ")")
+    head = Eagle3Head(_build_config(lambda: eagle3_head_config(raw, layout, str(folder)), folder, what))
+    return _fill(head, full_vocab_maps(head, remap_eagle3_weights(weights, layout)), folder, what, dtype)
 
 
 def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle1Head":
-    return _load_head(folder, dtype, EAGLE1_ARCH, Eagle1Head, "EAGLE-1 head")
+    folder, what = Path(folder), "EAGLE-1 head"
+    raw, weights = _read_head_folder(folder, what)
+    if EAGLE1_ARCH not in "".join(a for a in raw.get("architectures") or [] if isinstance(a, str)):
+        raise SpecdrafterError(f"{str(folder)!r} is not an {what} checkpoint (architectures: {raw.get('architectures')})")
+    return _fill(Eagle1Head(_build_config(lambda: LlamaConfig.from_dict(raw), folder, what)), weights, folder, what,
+                 dtype)
 
 
-def _load_head(folder, dtype, arch: str, cls, what: str):
-    folder = Path(folder)
+def _read_head_folder(folder: Path, what: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """config.json (as written, not through LlamaConfig.from_pretrained, which reads a speculators config's
+    transformer_layer_config instead of the file's own keys) and the weights."""
     if not folder.is_dir():
         raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: no such folder")
     try:
-        config = LlamaConfig.from_pretrained(folder)
+        raw = json.loads((folder / "config.json").read_text())
         weights = read_safetensors(folder / "model.safetensors")  # a damaged file: one line naming it
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: {str(e).splitlines()[0]}") from None
-    if arch not in "".join(config.architectures or []):
-        raise SpecdrafterError(f"{str(folder)!r} is not an {what} checkpoint (architectures: {config.architectures})")
-    head = cls(config)
+    if not isinstance(raw, dict):
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r} holds a JSON {type(raw).__name__}, not an object")
+    return raw, weights
+
+
+def _build_config(build, folder: Path, what: str) -> LlamaConfig:
     try:
-        head.load_state_dict(full_vocab_maps(head, weights) if cls is Eagle3Head else weights)
-    except RuntimeError as e:  # weights of another layout or shape than its config.json describes
+        return build()
+    except (TypeError, ValueError) as e:  # a value LlamaConfig cannot take
+        raise SpecdrafterError(f"could not load the {what} in {str(folder)!r}: config.json: "
+                               f"{str(e).splitlines()[0]}") from None
+
+
+def _fill(head: nn.Module, weights: Dict[str, torch.Tensor], folder: Path, what: str, dtype: torch.dtype):
+    """Load `weights` into `head`; names or shapes other than its config.json describes are one line."""
+    expected = set(head.state_dict())
+    missing, unknown = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unknown:
+        parts = ([f"missing {', '.join(missing[:4])}"] if missing else []) + (
+            [f"{', '.join(unknown[:4])} {'has' if len(unknown) == 1 else 'have'} no counterpart in specdrafter's "
+             f"{what}"] if unknown else [])
+        raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit an {what} of its config.json: "
+                               + "; ".join(parts))
+    try:
+        head.load_state_dict(weights)
+    except RuntimeError as e:  # a tensor of another shape than its config.json describes
         raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit an {what} of its config.json: "
                                f"{' '.join(str(e).split())[:200]}") from None
     return head.to(dtype).eval()
@@ -188,6 +226,126 @@ def check_aux_order(ids: Sequence[int], where: str, fix: str = "list three disti
         what = "repeat a layer" if len(set(ids)) < len(ids) else "are not in increasing order"
         raise SpecdrafterError(f"{where} = {ids} {what}: engines capture each aux layer once, in layer order, so the "
                                f"head's fc would read other features than in training; {fix}")
+
+
+def default_aux_layers(num_layers: int) -> List[int]:
+    """The aux layers (our reading) an EAGLE-3 head reads when its config names none: low, middle, high. Ours, and
+    what SpecForge ([1, L//2 - 1, L - 4] as layer outputs), speculators, vLLM and SGLang default to."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+# ------------------------------------------------------------------------------ EAGLE-3 layouts we load
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+# Saved beside the head by the public trainers, unused when drafting: the target's frozen token embedding (the
+# head borrows the target's; a speculators head that trained its own is refused by its embed_requires_grad) and
+# speculators' copies of the verifier's norm and lm_head, which only make training targets.
+TRAINER_ONLY_TENSORS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def eagle3_layout(config: dict) -> Optional[str]:
+    """The EAGLE-3 head layout a config.json describes (None: not an EAGLE-3 head), named after the export that
+    writes it. They differ in where the aux-layer ids are and how they read (docs/formats.md §Aux-layer ids):
+
+        specdrafter  our training folder: eagle_config.aux_layer_id_convention says how its ids read
+        vllm         HF-style (midlayer.*, fc, norm, lm_head, d2t, t2d) with top-level
+                     eagle_aux_hidden_state_layer_ids, vLLM's reading (= ours)
+        sglang       HF-style with ids in eagle_config only, in SGLang's reading (id k = the output of layer k),
+                     or none (the trainers' default): also what SpecForge and the EAGLE repo write, whose configs
+                     say LlamaForCausalLMEagle3, or LlamaForCausalLM with a draft_vocab_size
+        speculators  the speculators library's Eagle3Speculator: transformer_layer_config, layers.0.*, top-level
+                     ids in vLLM's reading
+    """
+    archs = config.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    if "speculators_model_type" in config or "Eagle3Speculator" in archs:
+        return "speculators" if config.get("speculators_model_type", "eagle3") == "eagle3" else None
+    if not (any("Eagle3" in a for a in archs) or ("LlamaForCausalLM" in archs and config.get("draft_vocab_size"))):
+        return None
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    if "aux_layer_id_convention" in eagle:
+        return "specdrafter"
+    return "vllm" if "eagle_aux_hidden_state_layer_ids" in config else "sglang"
+
+
+def eagle3_head_config(raw: dict, layout: str, where: str) -> LlamaConfig:
+    """Our head's config from a config.json of `layout`, its aux-layer ids in our reading. A setting our head
+    cannot compute is one SpecdrafterError naming it. Ids the file leaves out are the trainers' default, which
+    depends on the target: `eagle_config.default_aux_layers` marks them for `check_head_fits` to fill in."""
+    unsupported = unsupported_eagle3_settings(raw, layout)
+    if unsupported:
+        raise SpecdrafterError(f"the EAGLE-3 head in {where!r} cannot be loaded: {unsupported}")
+    layer = raw["transformer_layer_config"] if layout == "speculators" else raw
+    drop = {"architectures", "model_type", "eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size",
+            "target_hidden_size", "norm_before_residual", "norm_output", "fc_norm", "_name_or_path"}
+    config = LlamaConfig.from_dict({k: v for k, v in layer.items() if k not in drop})
+    ids = eagle3_aux_layer_ids(raw, layout, where)
+    config.architectures, config.num_hidden_layers, config.tie_word_embeddings = [EAGLE3_ARCH], 1, False
+    config.draft_vocab_size = raw.get("draft_vocab_size") or config.vocab_size
+    config.target_hidden_size = raw.get("target_hidden_size") or config.hidden_size
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": ids or [], "use_aux_hidden_state": True,
+                           "aux_layer_id_convention": "input", **({"default_aux_layers": True} if ids is None else {})}
+    return config
+
+
+def unsupported_eagle3_settings(raw: dict, layout: str) -> Optional[str]:
+    """What in a config.json makes its head compute something ours does not (None: nothing). Our head: one Llama
+    decoder layer whose residual is the un-normalised hidden state, fc straight on the concatenated features, norm
+    before lm_head, the pre-norm hidden state fed back, the target's token embedding."""
+    if layout == "speculators":
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            return "its speculators config has no transformer_layer_config"
+        model_type = layer.get("model_type", "qwen3")  # speculators builds a Qwen3 layer when none is named
+        if model_type != "llama":
+            return (f"transformer_layer_config.model_type = {model_type!r}; specdrafter's head is a Llama decoder "
+                    "layer")
+        flags = {"norm_before_fc": "an RMSNorm (input_norm) on the concatenated features before fc",
+                 "fc_norm": "an RMSNorm per aux feature (fc_norm.*) before fc",
+                 "norm_output": "the normalised hidden state fed back to later draft steps",
+                 "embed_requires_grad": "a token embedding trained with the head, not the target's"}
+        layers_key, layers = "transformer_layer_config.num_hidden_layers", layer.get("num_hidden_layers", 1)
+    else:
+        flags = {"fc_norm": "an RMSNorm per aux feature (fc_norm.*) before fc"}
+        layers_key, layers = "num_hidden_layers", raw.get("num_hidden_layers", 1)  # SpecForge builds one anyway
+        if raw.get("norm_output", True) is False:  # SpecForge: False = lm_head on the un-normalised hidden state
+            return "norm_output = false (lm_head without the final norm); specdrafter's head has it"
+        eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+        if eagle.get("use_aux_hidden_state", True) is False:
+            return "eagle_config.use_aux_hidden_state = false; specdrafter's head fuses three target layers"
+    flags["norm_before_residual"] = "the normalised hidden state as the residual"
+    on = next((key for key in flags if raw.get(key) is True), None)
+    if on is not None:
+        return f"{on} = true ({flags[on]}); specdrafter's head has no such setting"
+    if layers != 1:
+        return f"{layers_key} = {layers}; specdrafter's head has one decoder layer"
+    return None
+
+
+def eagle3_aux_layer_ids(raw: dict, layout: str, where: str) -> Optional[List[int]]:
+    """The aux-layer ids of a config.json in our reading (id k = the input to target layer k); None: it names none."""
+    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    if layout in ("vllm", "speculators"):
+        key, ids, shift = "eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"), 0
+    else:
+        key, ids = "eagle_config.eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids")
+        convention = eagle.get("aux_layer_id_convention", "output")  # SGLang's reading unless the file says
+        if convention not in ("input", "output"):
+            raise SpecdrafterError(f"{where!r}: eagle_config.aux_layer_id_convention = {convention!r} (known: "
+                                   "'input', 'output')")
+        shift = 1 if convention == "output" else 0  # the output of layer k is the input to layer k + 1
+    if ids is None:
+        return None
+    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(k, int) and k >= 0 for k in ids)):
+        raise SpecdrafterError(f"{where!r}: {key} = {ids!r}; an EAGLE-3 head reads three target layers (ids >= 0)")
+    return [k + shift for k in ids]
+
+
+def remap_eagle3_weights(weights: Dict[str, torch.Tensor], layout: str) -> Dict[str, torch.Tensor]:
+    """A checkpoint's tensors under our Eagle3Head names: speculators' layers.0.* are midlayer.*; the tensors
+    TRAINER_ONLY_TENSORS lists are dropped. Anything else keeps its name (load_eagle3 refuses names it cannot place)."""
+    if layout == "speculators":
+        weights = {re.sub(r"^layers\.0\.", "midlayer.", name): t for name, t in weights.items()}
+    return {name: t for name, t in weights.items() if name not in TRAINER_ONLY_TENSORS}
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-1
@@ -251,7 +409,12 @@ def eagle1_config(target_config) -> LlamaConfig:
 
 
 def check_head_fits(head: nn.Module, target) -> None:
+    """Refuse a head made for another target, in one line; a head whose config named no aux layers
+    (eagle_config.default_aux_layers, set by load_eagle3) gets the trainers' default for this target."""
     t, c = target.config, head.config
+    eagle = getattr(c, "eagle_config", None) or {}
+    if eagle.get("default_aux_layers") and not eagle.get("eagle_aux_hidden_state_layer_ids"):
+        eagle["eagle_aux_hidden_state_layer_ids"] = default_aux_layers(t.num_hidden_layers)
     if c.vocab_size != t.vocab_size:
         raise SpecdrafterError(f"EAGLE head vocabulary ({c.vocab_size} tokens) differs from the target's ({t.vocab_size} tokens)")
     trained_for = getattr(c, "target_hidden_size", None) or c.hidden_size  # optional in the engines' configs

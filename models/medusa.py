@@ -15,7 +15,9 @@ Checkpoints use vLLM's Medusa layout (docs/formats.md §Medusa): config.json wit
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,21 +112,72 @@ def save_medusa(heads: MedusaHeads, folder: str | Path) -> Path:
     return save_config_and_weights(heads, folder)
 
 
+def medusa_layout(config: dict) -> Optional[str]:
+    """The Medusa layout a config.json describes (None: not Medusa heads), named after the export that writes it:
+    `medusa-vllm` (vLLM's MedusaModel, our native folder) or `medusa` (the Medusa repo's: medusa_num_heads,
+    medusa_num_layers and medusa_lm_head.safetensors)."""
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    if config.get("model_type") == "medusa" or "MedusaModel" in archs:
+        return "medusa-vllm"
+    return "medusa" if "medusa_num_heads" in config else None
+
+
+MEDUSA_REPO_WEIGHTS = "medusa_lm_head.safetensors"
+
+
+def remap_medusa_repo_weights(weights: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
+    """The Medusa repo's head i, nn.Sequential(ResBlock × L, lm_head), under our names: `{i}.{j}.linear.*` (j < L)
+    → blocks.{i}.layers.{j}.*, `{i}.{L}.weight` → lm_heads.{i}.weight. The repo repeats one ResBlock L times; L
+    equal blocks compute the same. Other names keep theirs (load_medusa refuses them)."""
+    ours = {}
+    for name, tensor in weights.items():
+        m = re.fullmatch(r"(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)", name)
+        if m and m[3] == "weight" and int(m[2]) == num_layers:
+            name = f"lm_heads.{m[1]}.weight"
+        elif m and m[3] != "weight" and int(m[2]) < num_layers:
+            name = f"blocks.{m[1]}.layers.{m[2]}.{m[3].split('.')[1]}"
+        ours[name] = tensor
+    return ours
+
+
 def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
+    """Medusa heads in either layout `medusa_layout` recognises (our native folder and both our exports)."""
     folder = Path(folder)
     try:
         raw = json.loads((folder / "config.json").read_text())
-        weights = read_safetensors(folder / "model.safetensors")
+        layout = medusa_layout(raw) if isinstance(raw, dict) else None
+        weights = read_safetensors(folder / (MEDUSA_REPO_WEIGHTS if layout == "medusa" else "model.safetensors"))
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load the Medusa heads in {str(folder)!r}: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise SpecdrafterError(f"{str(folder / 'config.json')!r} holds a JSON {type(raw).__name__}, not an object")
-    if raw.get("model_type") != "medusa" and "MedusaModel" not in (raw.get("architectures") or []):
+    if layout is None:
         raise SpecdrafterError(f"{str(folder)!r} is not a Medusa checkpoint (model_type: {raw.get('model_type')!r})")
-    heads = MedusaHeads(MedusaConfig.from_dict(raw))
+    if layout == "medusa":
+        config = medusa_repo_config(raw, weights, folder)
+        weights = remap_medusa_repo_weights(weights, config.num_hidden_layers)
+    else:
+        config = MedusaConfig.from_dict(raw)
+    heads = MedusaHeads(config)
     try:
         heads.load_state_dict(weights)
     except RuntimeError as e:
         raise SpecdrafterError(f"Medusa weights in {str(folder)!r} do not match its config.json: "
                                f"{' '.join(str(e).split())[:300]}") from None
     return heads.to(dtype).eval()
+
+
+def medusa_repo_config(raw: dict, weights: Dict[str, torch.Tensor], folder: Path) -> MedusaConfig:
+    """Our config for a Medusa repo folder: its config names the head and ResBlock counts; the sizes come from
+    head 0's lm_head, [V, d]. Its ResBlocks always have a bias (nn.Linear's default)."""
+    H, L = raw.get("medusa_num_heads"), raw.get("medusa_num_layers", 1)
+    if not (isinstance(H, int) and H >= 1 and isinstance(L, int) and L >= 0):
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r}: medusa_num_heads = {H!r}, medusa_num_layers = {L!r}; "
+                               "expected whole numbers (heads >= 1)")
+    lm_head = weights.get(f"0.{L}.weight")
+    if lm_head is None or lm_head.dim() != 2:
+        raise SpecdrafterError(f"Medusa weights in {str(folder / MEDUSA_REPO_WEIGHTS)!r} do not match its config.json: "
+                               f"no lm_head 0.{L}.weight [vocab, hidden] for medusa_num_layers = {L}")
+    V, d = lm_head.shape
+    extra = {"base_model_name_or_path": raw["base_model_name_or_path"]} if raw.get("base_model_name_or_path") else {}
+    return MedusaConfig(num_heads=H, num_hidden_layers=L, hidden_size=d, vocab_size=V, medusa_fc_bias=True, **extra)

@@ -19,7 +19,7 @@ from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.regenerate import load_generated, write_shard
 from specdrafter.eval.job import Results, find_run_checkpoints
 from specdrafter.export.formats import find_source
-from specdrafter.inference.run import check_drafter_folder
+from specdrafter.kinds import KINDS, check_drafter_folder
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle1, load_eagle3, save_eagle3
 from specdrafter.models.medusa import MedusaHeads, load_medusa, medusa_config, save_medusa
 from specdrafter.train.batches import read_stats
@@ -89,7 +89,7 @@ def test_a_damaged_drafter_folder_is_one_line_naming_the_file(tmp_path, eagle_fo
     shutil.copytree(eagle_folder, folder)
     damage(folder / name, how)
     with pytest.raises(SpecdrafterError) as e:
-        check_drafter_folder(folder, "eagle3")
+        check_drafter_folder(folder, KINDS["eagle3"])
     assert f"'{folder}': {name} " in one_line(e)
     if name == "model.safetensors" and how != "missing":  # the loader itself, without the folder check
         with pytest.raises(SpecdrafterError) as e:
@@ -99,15 +99,15 @@ def test_a_damaged_drafter_folder_is_one_line_naming_the_file(tmp_path, eagle_fo
 
 def test_missing_folder_a_file_and_the_wrong_kind_are_one_line(tmp_path, eagle_folder, tiny_target):
     with pytest.raises(SpecdrafterError, match="does not exist"):
-        check_drafter_folder(tmp_path / "nowhere", "eagle3")
+        check_drafter_folder(tmp_path / "nowhere", KINDS["eagle3"])
     with pytest.raises(SpecdrafterError, match="is a file, not a folder"):
-        check_drafter_folder(eagle_folder / "model.safetensors", "eagle3")
+        check_drafter_folder(eagle_folder / "model.safetensors", KINDS["eagle3"])
     for kind in ("medusa", "eagle1", "draft_model"):
         with pytest.raises(SpecdrafterError, match=f"holds an EAGLE-3 head, but recipe key 'drafter.kind' is {kind}"):
-            check_drafter_folder(eagle_folder, kind)
+            check_drafter_folder(eagle_folder, KINDS[kind])
     medusa = save_medusa(MedusaHeads(medusa_config(AutoConfig.from_pretrained(tiny_target), 2, 1)), tmp_path / "medusa")
     with pytest.raises(SpecdrafterError, match="holds Medusa heads, but recipe key 'drafter.kind' is eagle3"):
-        check_drafter_folder(medusa, "eagle3")
+        check_drafter_folder(medusa, KINDS["eagle3"])
     shutil.copyfile(eagle_folder / "model.safetensors", medusa / "model.safetensors")  # EAGLE weights, Medusa config
     with pytest.raises(SpecdrafterError, match="do not match its config.json"):
         load_medusa(medusa)
@@ -176,7 +176,7 @@ def test_a_damaged_target_folder_is_one_line(tmp_path, tiny_target):
 def test_a_damaged_draft_model_to_train_from_is_one_line(tmp_path, tiny_target):
     from transformers import AutoModelForCausalLM
 
-    from specdrafter.train.drafters import build_drafter
+    from specdrafter.kinds import build_drafter
     draft = tmp_path / "draft"
     shutil.copytree(tiny_target, draft)
     damage(draft / "model.safetensors", "zero")

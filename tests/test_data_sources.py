@@ -172,8 +172,9 @@ def test_mix_without_a_share_is_one_line(tmp_path, tiny_target, prompt_file):
 def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smollm2_tokenizer, kind):
     """Multi-turn rows from both sources load into the trainer unchanged: every loss-masked token is predicted,
     offline features line up with the rows, and one optimizer step's loss is finite."""
+    from specdrafter.kinds import build_drafter, feature_layers
     from specdrafter.train.batches import TrainingData
-    from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+    from specdrafter.train.drafters import run_target
 
     prompts = write_jsonl(tmp_path / "chat.jsonl", chat_rows(10))
     data = tmp_path / "data"
@@ -186,7 +187,7 @@ def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smoll
         "drafter.num_layers=1", "drafter.eagle.aux_layer_ids=[0,1,2]", "drafter.eagle.draft_vocab_size=512",
         "drafter.medusa.num_heads=2", "train.max_length=256"])
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval().requires_grad_(False)
-    layers = needed_layers(cfg, target.config)
+    layers = feature_layers(cfg, target.config)
     offline = cfg.train.features.value == "offline"
     td = TrainingData(data, smollm2_tokenizer, str(tiny_target), 256, 2, 0, layers if offline else ())
     rows = list(load_generated(data))

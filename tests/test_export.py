@@ -33,9 +33,9 @@ from specdrafter.inference.eagle import EagleProposer
 from specdrafter.inference.medusa import MedusaProposer
 from specdrafter.inference.proposers import DraftModelProposer
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.kinds import build_drafter
 from specdrafter.models.eagle import Eagle3Head, full_vocab_maps, load_eagle3
 from specdrafter.models.medusa import MedusaConfig, MedusaHeads, load_medusa
-from specdrafter.train.drafters import build_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3",
@@ -443,7 +443,7 @@ def test_card_recipe_and_step_with_no_paths_or_tokens(tmp_path, monkeypatch, che
     (run / "eval").mkdir(exist_ok=True)
     (run / "eval" / "results.json").write_text(json.dumps({"schema": 1, "cells": [
         {"checkpoint": "step-000004", "step": 4, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 3,
-         "alpha": 0.612, "tau": 2.25, "speedup": 1.71, "sweep": False},
+         "alpha": 0.612, "tau": 2.25, "speedup_drift_corrected": 1.71, "sweep": False},
         {"checkpoint": "step-000004", "step": 4, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 5,
          "alpha": 0.5, "tau": 2.0, "speedup": 1.5, "sweep": True},
         {"checkpoint": "step-000002", "step": 2, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 7,

@@ -28,11 +28,12 @@ from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.regenerate import generate_dataset, load_generated
 from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
 from specdrafter.inference.eagle import EagleTreeProposer
-from specdrafter.inference.run import build_proposer, decode, load_draft_model, load_serving_target
+from specdrafter.inference.run import build_proposer, decode, load_serving_target
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.kinds import build_drafter, drafter_path, feature_layers, kind_of
 from specdrafter.models.eagle import Eagle1Head, Eagle3Head, eagle3_config, load_eagle1
 from specdrafter.train.batches import Batch, TrainingData
-from specdrafter.train.drafters import build_drafter, needed_layers, run_target
+from specdrafter.train.drafters import run_target
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
 from specdrafter.train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
 
@@ -94,7 +95,7 @@ def recipe(kind, out, target_dir, data, *extra):
 def training_data(cfg, target, tokenizer) -> TrainingData:
     """The loop's own TrainingData for a recipe."""
     t = cfg.train
-    layers = needed_layers(cfg, target.config) if t.features.value == "offline" else ()
+    layers = feature_layers(cfg, target.config) if t.features.value == "offline" else ()
     return TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed, layers)
 
 
@@ -199,7 +200,7 @@ def test_predictions_line_up_with_the_targets_rows(tmp_path, kind, extra, peaky_
     drafter = build_drafter(cfg, target, data)
     batch = data.batch(data.train[:3])
     with torch.no_grad():
-        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, needed_layers(cfg, target.config)))
+        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, feature_layers(cfg, target.config)))
         full = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
     V = target.config.vocab_size
     leads = {"draft_model": [1], "medusa": [2, 3, 4], "eagle3": [2, 3, 4]}[kind]
@@ -250,7 +251,7 @@ def test_draft_vocabulary_teacher_gives_the_full_teachers_numbers(tmp_path, monk
     cfg = recipe("eagle3", tmp_path, peaky_target, data_dir, "train.features=online", f"train.temperature={temperature}")
     data = training_data(cfg, target, smollm2_tokenizer)
     drafter = build_drafter(cfg, target, data)
-    batch, layers = data.batch(data.train[:4]), needed_layers(cfg, target.config)
+    batch, layers = data.batch(data.train[:4]), feature_layers(cfg, target.config)
     with torch.no_grad():
         full = drafter.predictions(drafter.module, batch, run_target(target, batch, layers))
         sliced = drafter.predictions(drafter.module, batch, run_target(target, batch, layers, drafter.teacher_ids,
@@ -279,7 +280,8 @@ def test_saved_drafter_reloads_through_the_inference_module(tmp_path, kind, extr
     ids = torch.tensor([[1, 9690, 198, 504, 3287, 314, 253, 2114]])  # [1, T]
     with torch.no_grad():
         if kind == "draft_model":
-            reloaded = load_draft_model(served, target)  # a plain causal LM: LoRA merged into the weights
+            # a plain causal LM: LoRA merged into the weights
+            reloaded = kind_of(served).model(served, target, drafter_path(served))
             torch.testing.assert_close(reloaded(ids).logits, drafter.module(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         else:
             proposer = build_proposer(served, target)
@@ -371,14 +373,14 @@ def test_trained_drafter_reloads_with_the_logged_acceptance_and_decodes_like_the
     cfg = recipe(kind, out, peaky_target, data_dir, *extra)
     served = recipe(kind, out, peaky_target, data_dir, *extra, f"drafter.path={final_drafter(out)}")
     if kind == "draft_model":
-        module = load_draft_model(served, target)
+        module = kind_of(served).model(served, target, drafter_path(served))
     else:
         proposer = build_proposer(served, target)
         module = proposer.heads if kind == "medusa" else proposer.head
 
     data = training_data(cfg, target, smollm2_tokenizer)
     drafter = build_drafter(cfg, target, data)  # only for its predictions(); the weights come from the folder
-    layers, sums = needed_layers(cfg, target.config), {}
+    layers, sums = feature_layers(cfg, target.config), {}
     with torch.no_grad():
         for rank in range(2):  # evaluate()'s split: each rank takes heldout[rank::2] in micro-batches
             mine = data.heldout[rank::2]
@@ -528,7 +530,7 @@ def test_medusa2_backbone_is_distilled_towards_the_target_and_feeds_the_heads(tm
                 q.add_(0.05 * torch.randn_like(q))
     batch = data.batch(data.train[:3])
     with torch.no_grad():
-        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, needed_layers(cfg, target.config)))
+        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, feature_layers(cfg, target.config)))
         full = target(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         adapted = drafter.module.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                           output_hidden_states=True)
@@ -652,7 +654,7 @@ def test_llama8b_recipes_validate_and_build_on_a_shrunken_target(tmp_path, name,
     loss_mask[:, 5:] = 1
     batch = Batch(input_ids, loss_mask, torch.ones(2, 12, dtype=torch.long))
     with torch.no_grad():
-        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, needed_layers(cfg, small),
+        preds = drafter.predictions(drafter.module, batch, run_target(target, batch, feature_layers(cfg, small),
                                                                       dtype=torch.bfloat16))
     expected = {"llama8b": [f"step{j}" for j in range(7)], "llama8b-medusa": [f"head{h}" for h in range(1, 6)],
                 "llama8b-draft": ["draft"]}[name]
@@ -663,7 +665,7 @@ def test_llama8b_recipes_validate_and_build_on_a_shrunken_target(tmp_path, name,
         assert p.draft_logits.shape == (n, width) and p.target_logits.shape == (n, V)
         assert p.draft_logits.dtype == torch.bfloat16
     if name == "llama8b":
-        assert needed_layers(cfg, small) == [2, 16, 29, 32]
+        assert feature_layers(cfg, small) == [2, 16, 29, 32]
         assert drafter.module.fc.in_features == 3 * 32 and drafter.module.lm_head.out_features == 1000
     if name == "llama8b-draft":
         trainable = [n for n, q in drafter.module.named_parameters() if q.requires_grad]

@@ -6,27 +6,31 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig
 
 from specdrafter.core.cli import cli
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.kinds import KINDS, kind_of, trainable_by
 from specdrafter.train.loop import train
-from specdrafter.train.plan import TRAINABLE, preflight
+from specdrafter.train.plan import preflight
 
 
-def train_command(kinds: Sequence[str]) -> None:
-    """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume."""
+def train_command(any_kind: bool = False) -> None:
+    """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume. The recipe's
+    drafter kind must be one this script trains (kinds/: launcher), or any trainable kind with `any_kind`."""
+    script = Path(sys.argv[0]).name
+    kinds = [k for k in KINDS.values() if k.trainable] if any_kind else trainable_by(script)
+
     def main(cfg: DictConfig) -> None:
-        kind = cfg.drafter.kind.value
+        kind = kind_of(cfg)
         if kind not in kinds:
-            raise SpecdrafterError(f"recipe key 'drafter.kind' is {kind}, but {Path(sys.argv[0]).name} "
-                                   f"trains {' or '.join(kinds)}")
+            trains = " or ".join(k.name for k in kinds) or "no drafter kind"
+            raise SpecdrafterError(f"recipe key 'drafter.kind' is {kind.name}, but {script} trains {trains}")
         preflight(cfg)  # on CUDA: recipe sanity and the memory plan before anything loads (CPU: nothing)
         train(cfg)
     cli(main)
 
 
-if __name__ == "__main__":  # python -m specdrafter.train.command (eval/scaling.py, eval/bench_train.py): any kind
-    train_command(TRAINABLE)
+if __name__ == "__main__":  # python -m specdrafter.train.command (eval/scaling.py, eval/bench_train.py)
+    train_command(any_kind=True)

@@ -1,4 +1,4 @@
-"""The three trainable drafters. Each is a plain builder plus two functions the loop calls:
+"""The trainable drafters (kinds/ builds them). Each is a plain builder plus two functions the loop calls:
 
     predictions(module, batch, target) → [Prediction]   what the drafter predicts, aligned with the target
     save(module, folder, tokenizer)                      an HF-loadable folder the inference module decodes with
@@ -23,7 +23,15 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError, check_model_folder, publish_dir, temp_dir_beside, write_config_and_weights
-from specdrafter.models.eagle import Eagle1Head, Eagle3Head, check_aux_order, eagle1_config, eagle3_config, save_eagle3
+from specdrafter.models.eagle import (
+    Eagle1Head,
+    Eagle3Head,
+    check_aux_order,
+    default_aux_layers,
+    eagle1_config,
+    eagle3_config,
+    save_eagle3,
+)
 from specdrafter.models.features import capture_features, check_layer_ids
 from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from specdrafter.train.batches import Batch
@@ -154,7 +162,6 @@ def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Modu
 
 
 class DraftModelDrafter:
-    kind = "draft_model"
     teacher_ids = None  # the loss compares full-vocabulary distributions
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
@@ -234,7 +241,6 @@ class MedusaDrafter:
     heads read a LoRA-adapted copy of the target, trained jointly; its own next-token distribution is distilled
     towards the original target's (the "backbone" prediction, weight 1) while the heads carry heads_weight.
     Saved as the heads folder with the merged backbone in `backbone/`, which decoding then serves as the target."""
-    kind = "medusa"
     teacher_ids = None  # the loss compares full-vocabulary distributions
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
@@ -287,12 +293,7 @@ class MedusaDrafter:
 
 
 # ----------------------------------------------------------------------------------------------- EAGLE-3
-def default_aux_layers(num_layers: int) -> List[int]:
-    return [2, num_layers // 2, num_layers - 3]  # low, middle, high (EAGLE-3)
-
-
 class Eagle3Drafter:
-    kind = "eagle3"
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         e = cfg.drafter.eagle
@@ -339,19 +340,9 @@ class Eagle3Drafter:
         save_eagle3(module, folder)
 
 
-def needed_layers(cfg: DictConfig, target_config) -> List[int]:
-    """Target layers the drafter reads (ids as in models/features.py). The last layer's output is always among
-    them: from it offline mode rebuilds the target's logits."""
-    L = target_config.num_hidden_layers
-    if cfg.drafter.kind.value == "eagle3":
-        return sorted(set(cfg.drafter.eagle.aux_layer_ids or default_aux_layers(L)) | {L})
-    return [L]
-
-
 class Eagle1Drafter:
     """EAGLE-1: predicts the next last-layer feature; loss = feature_weight · SmoothL1(f̂_{t+1}, f_{t+1}) +
     ce_weight · objective(p_{t+1}, q) with q from the target's norm + lm_head on f̂."""
-    kind = "eagle1"
     teacher_ids = None  # the loss compares full-vocabulary distributions
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
@@ -376,14 +367,3 @@ class Eagle1Drafter:
 
     def save(self, module, folder: Path, tokenizer) -> None:
         save_eagle3(module, folder)
-
-
-DRAFTERS = {"draft_model": DraftModelDrafter, "medusa": MedusaDrafter, "eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter}
-
-
-def build_drafter(cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
-    """The recipe's drafter, initialised from the target (and, for EAGLE-3's draft vocabulary, the data)."""
-    kind = cfg.drafter.kind.value
-    if kind not in DRAFTERS:
-        raise SpecdrafterError(f"recipe key 'drafter.kind': {kind} is not trainable (valid: {', '.join(DRAFTERS)})")
-    return DRAFTERS[kind](cfg, target, data, tokenizer)

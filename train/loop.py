@@ -53,10 +53,11 @@ from specdrafter.core.recipe import Recipe, load_saved_recipe  # noqa: E402
 from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
 from specdrafter.inference.decode import speculative_generate  # noqa: E402
-from specdrafter.inference.run import block_length, build_proposer, serving_model  # noqa: E402
+from specdrafter.inference.run import block_length, build_proposer  # noqa: E402
 from specdrafter.inference.sampling import SamplingParams  # noqa: E402
+from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
-from specdrafter.train.drafters import Prediction, build_drafter, needed_layers, run_target  # noqa: E402
+from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -241,7 +242,7 @@ class Run:
 def train(cfg: DictConfig) -> Dict[str, float]:
     """Train the recipe's drafter to the end (resuming from the newest complete checkpoint); the last held-out metrics."""
     run = setup(cfg)
-    bar = tqdm(total=run.total, initial=run.progress.step, disable=run.rank != 0, desc=f"train {run.drafter.kind}",
+    bar = tqdm(total=run.total, initial=run.progress.step, disable=run.rank != 0, desc=f"train {run.cfg.drafter.kind.value}",
                unit="step")
     for step in range(run.progress.step, run.total):
         record = train_step(run, step)
@@ -283,7 +284,7 @@ def setup(cfg: DictConfig) -> Run:
     check_fits_target(t, target.config)
     target.requires_grad_(False)
     target.to(device)
-    layers = needed_layers(cfg, target.config)
+    layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
     data = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed,
                         layers if t.features.value == "offline" else (), t.data_tokens)
     drafter = build_drafter(cfg, target, data, tokenizer)
@@ -387,7 +388,7 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     of eval.sets[0], greedy, block length inference.k) — τ and α as users will see them, not the held-out proxy."""
     c = cfg.copy()
     c.drafter.path, c.inference.tree, c.inference.dynamic_tree.total_tokens = str(folder), [], 0
-    serving = serving_model(folder, target) if c.drafter.kind.value == "medusa" else target
+    serving = kind_of(c).serving_target(folder, target)
     proposer = build_proposer(c, serving)  # the drafter in the target's dtype, beside it on its device
     eos = eos_token_ids(target, tokenizer)
     tokens = passes = accepted = drafted = 0
@@ -475,7 +476,7 @@ def save_checkpoint(engine, drafter, cfg: DictConfig, root: Path, progress: Prog
             drafter.save(engine.module, folder / "drafter", tokenizer)
     if rank == 0:
         atomic_write_text(folder / "recipe.yaml", OmegaConf.to_yaml(cfg))
-        write_checkpoint_state(folder, {"step": progress.step, "tokens": progress.tokens, "drafter": drafter.kind,
+        write_checkpoint_state(folder, {"step": progress.step, "tokens": progress.tokens, "drafter": cfg.drafter.kind.value,
                                         "metrics": progress.last_metrics})
         for old in complete_checkpoints(root)[:-cfg.train.keep_checkpoints]:
             shutil.rmtree(old)

@@ -1,0 +1,82 @@
+"""The table of drafter kinds. Every stage that depends on the kind — training, the planner, decoding, the eval
+job, the benchmarks, export, conformance — looks the recipe's kind up here and asks it (kinds/base.py: the
+protocol); no other module branches on a kind's name. Adding a kind: docs/architecture.md."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from omegaconf import DictConfig
+
+from specdrafter.core.io import SpecdrafterError, check_model_folder
+from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.kinds.draft import DraftModel, SelfDraft
+from specdrafter.kinds.eagle import Eagle1, Eagle3
+from specdrafter.kinds.medusa import Medusa
+
+# In the order a folder's config.json is matched: a draft model (any *ForCausalLM) last.
+KINDS: Dict[str, Kind] = {k.name: k for k in (Eagle3(), Eagle1(), Medusa(), DraftModel(), SelfDraft())}
+
+__all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "drafter_path", "check_drafter_folder",
+           "build_drafter", "check_recipe", "feature_layers", "trainable_by"]
+
+
+def kind_of(cfg: DictConfig) -> Kind:
+    """The recipe's drafter kind."""
+    return KINDS[cfg.drafter.kind.value]
+
+
+def kind_of_config(config: dict) -> Optional[Kind]:
+    """The kind a drafter folder's config.json describes (None: not recognised)."""
+    return next((k for k in KINDS.values() if k.recognises(config)), None)
+
+
+def check_recipe(cfg: DictConfig) -> None:
+    """The rules that need the kind (core/cli.py runs them with the schema's, before anything loads)."""
+    kind_of(cfg).check_recipe(cfg)
+
+
+def build_drafter(cfg: DictConfig, target, data=None, tokenizer=None):
+    """The recipe's training drafter, initialised from the target (and, for EAGLE-3's draft vocabulary, the data)."""
+    kind = kind_of(cfg)
+    if not kind.trainable:
+        trainable = ", ".join(k.name for k in KINDS.values() if k.trainable)
+        raise SpecdrafterError(f"recipe key 'drafter.kind': {kind.name} is not trainable (valid: {trainable})")
+    return kind.drafter(cfg, target, data, tokenizer)
+
+
+def feature_layers(cfg: DictConfig, target_config) -> List[int]:
+    """The target layers the recipe's drafter reads (kinds/: feature_layers), for a target with `target_config`."""
+    return kind_of(cfg).feature_layers(cfg, target_config.num_hidden_layers)
+
+
+def drafter_path(cfg: DictConfig) -> Optional[str]:
+    """drafter.path checked for decoding: required by every kind but the self-draft; a local folder must be
+    complete and hold the recipe's kind. A hub id is passed on as it is."""
+    kind = kind_of(cfg)
+    if not kind.needs_folder:
+        return None
+    if not cfg.drafter.path:
+        raise SpecdrafterError(f"recipe key 'drafter.path' is required to decode with a trained {kind.name} "
+                               "(a checkpoint's drafter/ folder or an export)")
+    path = cfg.drafter.path
+    if path.startswith(("/", ".", "~")) or os.path.exists(path):  # a local folder, not a hub id
+        check_drafter_folder(Path(path).expanduser(), kind)
+    return path
+
+
+def check_drafter_folder(folder: Path, kind: Kind) -> None:
+    """A drafter folder a user points at: complete and intact (core/io.py:check_model_folder) and of `kind`."""
+    check_model_folder(folder, "drafter folder")
+    found = kind_of_config(json.loads((folder / "config.json").read_text()))
+    if found is not None and found is not kind:
+        raise SpecdrafterError(f"drafter folder {str(folder)!r} holds {found.description}, but recipe key "
+                               f"'drafter.kind' is {kind.name}")
+
+
+def trainable_by(script: str) -> List[Kind]:
+    """The kinds a launch/ training script trains."""
+    return [k for k in KINDS.values() if k.launcher == script]

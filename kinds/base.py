@@ -1,0 +1,134 @@
+"""The protocol every drafter kind implements: one class per kind, one instance per kind in `KINDS`
+(kinds/__init__.py). The jobs — training, the planner, decoding, the eval job, the benchmarks, export and the
+conformance run — ask the recipe's kind what to do instead of branching on its name.
+
+A kind answers six questions:
+    what it builds            drafter(cfg, target, data, tokenizer) → the training drafter (train/drafters.py)
+    what it predicts          that drafter's predictions(module, batch, target) → [Prediction] (train/drafters.py)
+    what decodes with it      proposer(cfg, target, path) → a Proposer / TreeProposer (inference/)
+    where it exports          formats: the export/formats.py formats that write it
+    what it costs to train    planner_module / planner_activations / planner_checks (train/memory.py terms)
+    how it is benchmarked     bench_arms(cfg) → [ArmSpec] (eval/bench_decode.py builds and times them)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from omegaconf import DictConfig
+from torch import nn
+
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import RecipeError
+from specdrafter.inference.autotune import TreeSizeTuner
+from specdrafter.train.memory import Activations, MemoryInputs, Shapes
+
+
+class ArmSpec(NamedTuple):
+    """One benchmark arm of a kind: eval/bench_decode.py builds the recipe variant and the decoder."""
+    name: str  # e.g. "eagle3_chain"
+    label: str  # what the report prints beside it (k, tree size)
+    decoder: str  # "chain" | "tree" | "typical" | "asd" | "hf_assisted"
+    inference: Dict[str, object] = {}  # inference.* keys set on the recipe for this arm (tree, dynamic_tree)
+    k: object = None  # the chain's block length (a number or "auto"), None for trees
+    tree_size: Optional[int] = None  # nodes verified per cycle (trees)
+
+
+def tree_size(dynamic_tree: DictConfig) -> Optional[TreeSizeTuner]:
+    """The tuner that sizes every dynamic tree (inference.dynamic_tree.auto_size), or None: verify all total_tokens."""
+    return TreeSizeTuner(dynamic_tree.total_tokens) if dynamic_tree.auto_size else None
+
+
+class Kind:
+    """Defaults shared by the kinds; each kind overrides what differs."""
+    name: str  # the recipe's drafter.kind
+    description: str  # "an EAGLE-3 head": how messages name what a folder holds
+    launcher: Optional[str] = None  # the launch/ script that trains it; None: not trainable
+    recipe: Optional[str] = None  # the SmolLM2 recipe (recipes/) that trains it: benchmarks and conformance start there
+    needs_folder: bool = True  # decoding needs drafter.path (a self-draft is built from the target)
+    formats: Tuple[str, ...] = ()  # export/formats.py formats that write this kind
+    no_export: str = "that kind has no export"  # why, when `formats` is empty
+    card_title: str = "Drafter"  # the model card's heading
+    card_tag: str = ""  # the Hub tag of its model card
+    typical: bool = False  # Medusa's typical acceptance applies (heads over a static tree)
+    trees: Tuple[str, ...] = ("static", "dynamic")  # the trees it drafts (inference.tree, inference.dynamic_tree)
+    memory_fixes: Dict[str, str] = {}  # planner: extra keys that shrink a memory term of this kind
+    plan_bench_overrides: Tuple[str, ...] = ()  # eval/bench_plan.py: its recipe shrunk to train in seconds on a CPU
+
+    @property
+    def trainable(self) -> bool:
+        return self.launcher is not None
+
+    # --------------------------------------------------------------------------- recipes and folders
+    def recognises(self, config: dict) -> bool:
+        """Whether a folder's config.json holds this kind."""
+        return False
+
+    def check_recipe(self, cfg: DictConfig) -> None:
+        """Cross-field rules the recipe schema cannot express without knowing the kind (RecipeError, one line)."""
+        inf, verifiers = cfg.inference, {v.value for v in cfg.eval.verifiers}
+        if not self.typical and (inf.verifier.value == "typical" or "typical" in verifiers):
+            key = "inference.verifier" if inf.verifier.value == "typical" else "eval.verifiers"
+            raise RecipeError(f"recipe key {key!r}: typical acceptance needs Medusa heads (drafter.kind=medusa) and a "
+                              f"static inference.tree; drafter.kind is {self.name}")
+        if inf.tree and "static" not in self.trees:
+            raise RecipeError(f"recipe key 'inference.tree': {self.description} drafts dynamic trees; use "
+                              "inference.dynamic_tree.total_tokens")
+        if inf.dynamic_tree.total_tokens and "dynamic" not in self.trees:
+            raise RecipeError(f"recipe key 'inference.dynamic_tree': {self.description} drafts static trees; use "
+                              "inference.tree")
+
+    # ----------------------------------------------------------------------------------------- training
+    def drafter(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
+        """The training drafter (train/drafters.py): module, predictions(), save()."""
+        raise SpecdrafterError(f"recipe key 'drafter.kind': {self.name} is not trainable")
+
+    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
+        """Target layers the drafter reads (ids as in models/features.py). The last layer's output is always among
+        them: from it offline training rebuilds the target's logits."""
+        return [num_layers]
+
+    # ----------------------------------------------------------------------------------------- decoding
+    def proposer(self, cfg: DictConfig, target: nn.Module, path: Optional[str]):
+        """The proposer the recipe asks for (a chain, inference.tree, or inference.dynamic_tree) around the drafter
+        at `path` (checked by kinds.drafter_path), beside the target on its device and in its dtype."""
+        raise NotImplementedError
+
+    def serving_target(self, folder: Optional[Path], target: nn.Module) -> nn.Module:
+        """The model decoding verifies with: the target, unless the drafter folder brings its own (Medusa-2)."""
+        return target
+
+    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+        return [ArmSpec(f"{self.name}_chain", f"k={cfg.inference.k}", "chain", k=cfg.inference.k)]
+
+    # ------------------------------------------------------------------------------------------ planner
+    def planner_module(self, cfg: DictConfig, target: nn.Module,
+                       config_of: Callable[[str], object]) -> Tuple[nn.Module, Optional[Shapes]]:
+        """(the trainable module built on the meta device, its own shapes when it is a causal LM, else None).
+        `config_of(name)` reads a model's config without weights (train/plan.py:target_config)."""
+        return self.drafter(cfg, target).module, None
+
+    def planner_activations(self, act: Activations, m: MemoryInputs) -> None:
+        """Add this kind's activation bytes of one micro-batch to `act` (train/memory.py holds the terms)."""
+        raise NotImplementedError
+
+    def planner_checks(self, cfg: DictConfig, T: Shapes, config_of: Callable[[str], object]) -> List[Tuple[bool, str]]:
+        """(ok, line) checks that need only the target's config."""
+        return []
+
+    def activation_label(self, cfg: DictConfig) -> str:
+        """What the planner's activation line adds after the batch shape."""
+        return ""
+
+    # -------------------------------------------------------------------------------------- conformance
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        """Variant name → recipe overrides: the drafters the conformance run trains nothing into, exports and loads."""
+        return {}
+
+    def reference_step(self, module: nn.Module, target: nn.Module, hidden_states, ids) -> dict:
+        """Inputs of one draft step and our logits for them, which the engines' own code must reproduce."""
+        raise NotImplementedError
+
+    def perturb(self, module: nn.Module, name: str, vocab_size: int) -> None:
+        """Conformance: beyond moving every weight off its initial value, anything else a variant must exercise."""

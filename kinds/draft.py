@@ -1,0 +1,124 @@
+"""Draft models: a small causal LM sharing the target's tokenizer (trained, or any HF model), and the self-draft
+(the target's first layers, training-free)."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from omegaconf import DictConfig
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.proposers import (
+    DraftModelProposer,
+    DraftModelTreeProposer,
+    DynamicTreeProposer,
+    check_vocabularies,
+    self_draft,
+)
+from specdrafter.inference.tree import tree_from_choices
+from specdrafter.kinds.base import ArmSpec, Kind, tree_size
+from specdrafter.train import memory
+from specdrafter.train.drafters import DraftModelDrafter
+from specdrafter.train.memory import Shapes
+
+
+class DraftModel(Kind):
+    name = "draft_model"
+    description = "a draft model"
+    launcher = "train_draft.py"
+    recipe = "smollm2-135m-draft.yaml"
+    formats = ("hf-draft",)
+    card_title = "Draft model"
+    card_tag = "draft-model"
+    plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
+
+    def recognises(self, config: dict) -> bool:
+        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+        return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
+
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return DraftModelDrafter(cfg, target, data, tokenizer)
+
+    def model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
+        """The draft *model* itself (also HF generate's `assistant_model`), in the target's dtype, beside it."""
+        try:
+            draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+        except (OSError, ValueError) as e:
+            raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
+        check_vocabularies(target, draft)
+        return draft
+
+    def proposer(self, cfg, target, path):
+        draft, inf = self.model(cfg, target, path), cfg.inference
+        dyn = inf.dynamic_tree
+        if inf.tree:
+            return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
+        if dyn.total_tokens:
+            return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
+        return DraftModelProposer(draft)
+
+    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+        """HF assisted generation with the draft model, our chain, and the recipe's static tree."""
+        inf, k = cfg.inference, cfg.inference.k
+        arms = [ArmSpec("hf_assisted", f"k={k}", "hf_assisted"), ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k)]
+        if inf.tree:
+            size = len(inf.tree) + 1
+            arms.append(ArmSpec(f"{self.name}_tree", f"tree {size}", "tree", {"tree": [list(c) for c in inf.tree]},
+                                tree_size=size))
+        return arms
+
+    def planner_module(self, cfg, target, config_of):
+        """A draft model named by drafter.path is built from its config (no weights); else the target's layers."""
+        dr = cfg.drafter
+        if dr.path:
+            dconf = config_of(dr.path)
+            module = AutoModelForCausalLM.from_config(dconf).to(torch.float32)
+            if dr.lora.r > 0:
+                module = get_peft_model(module, LoraConfig(r=dr.lora.r, lora_alpha=dr.lora.alpha, task_type="CAUSAL_LM",
+                                                           target_modules=list(dr.lora.target_modules)))
+            return module, Shapes.of(dconf)
+        t = Shapes.of(target.config)
+        return self.drafter(cfg, target).module, Shapes(**{**t.__dict__, "layers": len(dr.layers) or dr.num_layers})
+
+    def planner_activations(self, act, m) -> None:
+        memory.draft_model(act, m)
+
+    def planner_checks(self, cfg, T: Shapes, config_of):
+        dr = cfg.drafter
+        if not dr.path:
+            return []
+        D = Shapes.of(config_of(dr.path))
+        ok = D.vocab == T.vocab and (not D.positions or cfg.train.max_length <= D.positions)
+        return [(ok, f"draft vocabulary {D.vocab} = {T.vocab}, max_length within its {D.positions} positions" if ok else
+                 f"recipe key 'drafter.path': {dr.path!r} has {D.vocab} tokens and {D.positions} positions; "
+                 f"the target has {T.vocab} tokens and train.max_length is {cfg.train.max_length}")]
+
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        return {"draft": ["drafter.num_layers=2"]}
+
+    def reference_step(self, module, target, hidden_states, ids) -> dict:
+        """Its logits on the prompt."""
+        return {"ids": ids[0], "logits": module(ids).logits[0]}
+
+
+class SelfDraft(DraftModel):
+    name = "self_draft"
+    description = "a self-draft"
+    launcher = None
+    recipe = None
+    needs_folder = False
+    formats = ()
+    no_export = "a self-draft is the target's own first layers: there is nothing to export"
+
+    def recognises(self, config: dict) -> bool:
+        return False
+
+    def model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
+        return self_draft(target, cfg.drafter.num_layers)
+
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        return {}

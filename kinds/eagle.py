@@ -1,0 +1,151 @@
+"""EAGLE heads: EAGLE-3 (three fused target layers, training-time test, pruned vocabulary) and EAGLE-1 (the last
+layer's feature, regressed)."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from omegaconf import DictConfig
+
+from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
+from specdrafter.kinds.base import ArmSpec, Kind, tree_size
+from specdrafter.models.eagle import EAGLE1_ARCH, default_aux_layers, eagle3_layout, load_eagle1, load_eagle3
+from specdrafter.train import memory
+from specdrafter.train.drafters import Eagle1Drafter, Eagle3Drafter
+from specdrafter.train.memory import Shapes
+
+DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # the bench's tree verified whole, unless the recipe has one
+AUTO_DYNAMIC_TREE = {"total_tokens": 32, "depth": 5, "top_k": 6}  # candidates the bench's tree-size tuner sizes from
+
+
+class Eagle3(Kind):
+    name = "eagle3"
+    description = "an EAGLE-3 head"
+    launcher = "train_eagle.py"
+    recipe = "smollm2-135m-eagle3.yaml"
+    formats = ("vllm", "sglang", "speculators")
+    card_title = "EAGLE-3 draft head"
+    card_tag = "eagle3"
+    trees = ("dynamic",)
+    memory_fixes = {"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}
+    load = staticmethod(load_eagle3)
+
+    def recognises(self, config: dict) -> bool:
+        return eagle3_layout(config) is not None  # ours, and what SpecForge, the EAGLE repo and speculators write
+
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return Eagle3Drafter(cfg, target, data, tokenizer)
+
+    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
+        return sorted(set(cfg.drafter.eagle.aux_layer_ids or default_aux_layers(num_layers)) | {num_layers})
+
+    def proposer(self, cfg, target, path):
+        head = self.load(path, target.dtype).to(target.device)
+        dyn = cfg.inference.dynamic_tree
+        if not dyn.total_tokens:
+            return EagleProposer(head, target)
+        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
+
+    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+        """The chain, the dynamic tree verified whole and auto-sized, and ASD (T = 0) on the chain."""
+        inf, k = cfg.inference, cfg.inference.k
+        recipe_tree = {key: inf.dynamic_tree[key] for key in DEFAULT_DYNAMIC_TREE} if inf.dynamic_tree.total_tokens else {}
+        whole = {**DEFAULT_DYNAMIC_TREE, **recipe_tree, "auto_size": False}  # the recipe's dynamic tree, or the default
+        auto = {**whole, **AUTO_DYNAMIC_TREE, "auto_size": True}
+        return [ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k),
+                _dynamic_arm(f"{self.name}_tree", whole), _dynamic_arm(f"{self.name}_tree_auto", auto),
+                ArmSpec(f"{self.name}_asd", f"k={k} B={inf.asd.budget:g}", "asd", k=k)]
+
+    def planner_activations(self, act, m) -> None:
+        memory.eagle3(act, m)
+
+    def planner_checks(self, cfg, T: Shapes, config_of):
+        e = cfg.drafter.eagle
+        aux = list(e.aux_layer_ids) or default_aux_layers(T.layers)
+        bad = [k for k in aux if not 0 <= k <= T.layers]
+        Vd = e.draft_vocab_size or T.vocab
+        last = cfg.train.max_length + e.ttt_steps - 1  # TTT step j sits at rotary position t + j
+        return [(not bad, f"recipe key 'drafter.eagle.aux_layer_ids': layer id {bad[0]} is out of range for a target "
+                          f"with {T.layers} layers (valid: 0..{T.layers})" if bad else
+                 f"aux layers {aux} within the target's 0..{T.layers}"),
+                (Vd <= T.vocab, f"recipe key 'drafter.eagle.draft_vocab_size' ({Vd}) exceeds the target's vocabulary "
+                                f"of {T.vocab} tokens" if Vd > T.vocab else f"draft vocabulary {Vd} <= {T.vocab}"),
+                (not T.positions or last <= T.positions,
+                 f"recipe keys 'train.max_length' ({cfg.train.max_length}) and 'drafter.eagle.ttt_steps' "
+                 f"({e.ttt_steps}) reach position {last}, beyond the head's max_position_embeddings "
+                 f"({T.positions})" if T.positions and last > T.positions else
+                 f"TTT positions up to {last} within the head's {T.positions or 'unbounded'}")]
+
+    def activation_label(self, cfg: DictConfig) -> str:
+        return f", {cfg.drafter.eagle.ttt_steps} TTT steps"
+
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        return {"eagle3-pruned": ["drafter.eagle.draft_vocab_size=1024"], "eagle3-full": ["drafter.eagle.draft_vocab_size=0"]}
+
+    def perturb(self, module, name: str, vocab_size: int) -> None:
+        """A pruned draft vocabulary that is not the first Vd ids, so that d2t / t2d must be read right."""
+        if name != "eagle3-pruned":
+            return
+        Vd = len(module.d2t)
+        keep = torch.randperm(vocab_size)[:Vd].sort().values
+        module.d2t.copy_(keep - torch.arange(Vd))
+        module.t2d.zero_()
+        module.t2d[keep] = True
+
+    def reference_step(self, module, target, hidden_states, ids) -> dict:
+        """One position (the engines' attention core is not run on CPU; with a single key, attention returns its
+        value, so the step needs no KV cache)."""
+        t = 4
+        feats = torch.cat([hidden_states[k][:, t:t + 1] for k in module.aux_layer_ids], -1)  # [1, 1, 3·d_t]
+        embeds = target.get_input_embeddings()(ids[:, t + 1:t + 2])
+        hidden, _ = module(module.fc(feats), embeds, torch.tensor([[t]]))
+        draft = module.logits(hidden)[0]  # [1, Vd]
+        full = torch.full((1, target.config.vocab_size), float("-inf"))
+        full[:, module.draft_ids] = draft
+        return {"features": feats[0], "embeds": embeds[0], "logits": full,
+                "target_embed": target.get_input_embeddings().weight}
+
+
+class Eagle1(Eagle3):
+    name = "eagle1"
+    description = "an EAGLE-1 head"
+    recipe = None
+    formats = ()
+    no_export = ("vLLM and SGLang serve EAGLE-1 only in the EAGLE repo's own layout, which has no writer here; train an "
+                 "EAGLE-3 head instead")
+    card_title = "EAGLE-1 draft head"
+    card_tag = "eagle1"
+    memory_fixes = {}
+    load = staticmethod(load_eagle1)
+
+    def recognises(self, config: dict) -> bool:
+        return EAGLE1_ARCH in _architectures(config)
+
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return Eagle1Drafter(cfg, target, data, tokenizer)
+
+    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
+        return [num_layers]
+
+    def planner_activations(self, act, m) -> None:
+        memory.eagle1(act, m)
+
+    def planner_checks(self, cfg, T, config_of):
+        return []
+
+    def activation_label(self, cfg: DictConfig) -> str:
+        return ""
+
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        return {}
+
+
+def _dynamic_arm(name: str, tree: dict) -> ArmSpec:
+    label = f"dynamic {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}" + (" auto" if tree["auto_size"] else "")
+    return ArmSpec(name, label, "tree", {"dynamic_tree": tree}, tree_size=tree["total_tokens"] + 1)
+
+
+def _architectures(config: dict) -> List[str]:
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    return [a for a in archs if isinstance(a, str)]

@@ -1,0 +1,71 @@
+"""Medusa heads on the target's last hidden state (Medusa-1; Medusa-2 fine-tunes a LoRA copy of the backbone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, serving_backbone
+from specdrafter.inference.tree import tree_from_choices
+from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.models.medusa import check_heads_fit, load_medusa, medusa_layout
+from specdrafter.train import memory
+from specdrafter.train.drafters import MedusaDrafter
+from specdrafter.train.memory import Shapes
+
+DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # the bench's tree when the recipe has none
+
+
+class Medusa(Kind):
+    name = "medusa"
+    description = "Medusa heads"
+    launcher = "train_medusa.py"
+    recipe = "smollm2-135m-medusa.yaml"
+    formats = ("medusa-vllm", "medusa")
+    card_title = "Medusa heads"
+    card_tag = "medusa"
+    typical = True
+    trees = ("static",)
+    plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256")
+
+    def recognises(self, config: dict) -> bool:
+        return medusa_layout(config) is not None
+
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return MedusaDrafter(cfg, target, data, tokenizer)
+
+    def proposer(self, cfg, target, path):
+        heads = load_medusa(path, target.dtype).to(target.device)
+        check_heads_fit(heads, target)
+        if cfg.inference.tree:
+            return MedusaTreeProposer(heads, target, tree_from_choices([list(c) for c in cfg.inference.tree], heads.num_heads))
+        return MedusaProposer(heads, target)
+
+    def serving_target(self, folder: Optional[Path], target):
+        """Medusa-2 heads read the backbone fine-tuned with them (`backbone/` in their folder): it is what they serve."""
+        return serving_backbone(folder, target) if folder is not None else target
+
+    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+        """A static tree (the recipe's, or a default one): exact tree verification and typical acceptance."""
+        choices = [list(x) for x in cfg.inference.tree] or DEFAULT_MEDUSA_TREE
+        size = len(choices) + 1
+        return [ArmSpec(f"{self.name}_tree", f"tree {size}", "tree", {"tree": choices}, tree_size=size),
+                ArmSpec(f"{self.name}_typical", f"tree {size}", "typical", {"tree": choices}, tree_size=size)]
+
+    def planner_module(self, cfg, target, config_of):
+        drafter = self.drafter(cfg, target)
+        return drafter.module, Shapes.of(target.config) if cfg.drafter.medusa.stage == 2 else None
+
+    def planner_activations(self, act, m) -> None:
+        memory.medusa(act, m)
+
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        return {"medusa": ["drafter.num_layers=1", "drafter.medusa.num_heads=5"]}
+
+    def reference_step(self, module, target, hidden_states, ids) -> dict:
+        """Every position: Medusa reads the target's final-normed last hidden state."""
+        h = target.model.norm(hidden_states[-1])[0]
+        return {"hidden": h, "logits": torch.stack([lm(b(h)) for b, lm in zip(module.blocks, module.lm_heads)])}

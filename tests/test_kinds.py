@@ -1,0 +1,91 @@
+"""The table of drafter kinds (kinds/): the schema and the table agree, every stage asks the kind, and no module
+outside kinds/ decides anything by a kind's name."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from specdrafter.core.recipe import DrafterKind
+from specdrafter.export.formats import FORMATS, WRITERS
+from specdrafter.kinds import KINDS, kind_of_config
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "data", "eval", "export", "inference", "models", "train", "launch")
+NAMES = set(KINDS)
+
+
+def test_schema_and_table_agree():
+    assert {k.value for k in DrafterKind} == NAMES
+    assert all(kind.name == name for name, kind in KINDS.items())
+
+
+def test_every_trainable_kind_has_its_launcher_and_recipe():
+    for kind in KINDS.values():
+        if kind.trainable:
+            assert (REPO / "launch" / kind.launcher).is_file(), kind.name
+        if kind.recipe:
+            assert (REPO / "recipes" / kind.recipe).is_file(), kind.name
+
+
+def test_every_format_has_a_writer_and_one_kind():
+    assert set(FORMATS) == set(WRITERS)
+    for fmt, kind in FORMATS.items():
+        assert [k for k in KINDS.values() if fmt in k.formats] == [kind]
+
+
+@pytest.mark.parametrize("config, name", [
+    ({"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3"),
+    ({"architectures": ["Eagle3Speculator"]}, "eagle3"),
+    ({"model_type": "medusa"}, "medusa"),
+    ({"architectures": ["MedusaModel"]}, "medusa"),
+    ({"architectures": ["LlamaForCausalLM"]}, "draft_model"),
+    ({"architectures": ["BertModel"]}, None),
+])
+def test_a_folder_config_names_its_kind(config, name):
+    found = kind_of_config(config)
+    assert (found.name if found else None) == name
+
+
+def _names_in(node) -> set:
+    """Kind names among the string constants of `node` (a constant, or a tuple / list / set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_names_in(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def kind_branches(source: str) -> list:
+    """(line, what) of every comparison with a kind's name and every table keyed by two or more kinds' names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            names = set().union(*(_names_in(x) for x in operands))
+            # a kind's name compared with something that holds a kind (a format or model_type may share the name)
+            if names and any("kind" in ast.unparse(x) or "drafter" in ast.unparse(x) for x in operands):
+                found.append((node.lineno, f"compares with {sorted(names)}"))
+        elif isinstance(node, ast.Dict):
+            names = set().union(*(_names_in(k) for k in node.keys if k is not None)) if node.keys else set()
+            if len(names) >= 2:
+                found.append((node.lineno, f"a table keyed by {sorted(names)}"))
+        elif isinstance(node, ast.match_case) and _names_in(getattr(node.pattern, "value", None)):
+            found.append((node.pattern.lineno, "matches a kind's name"))
+    return found
+
+
+def test_the_scan_finds_a_branch():
+    assert kind_branches('if kind == "eagle3":\n    pass\n') == [(1, "compares with ['eagle3']")]
+    assert kind_branches('ok = cfg.drafter.kind.value in ("medusa", "x")\n')
+    assert kind_branches('if c.state.get("drafter") == "eagle1": pass\n')
+    assert kind_branches('TAGS = {"eagle3": 1, "draft_model": 2}\n')
+    assert not kind_branches('fmt = {"vllm": 1, "medusa": 2}\nif fmt == "vllm": pass\n')  # a format, not a kind
+
+
+def test_no_module_outside_the_kinds_table_branches_on_a_kind_name():
+    offenders = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            offenders += [f"{path.relative_to(REPO)}:{line}: {what}" for line, what in kind_branches(path.read_text())]
+    assert not offenders, "decide these through kinds/ (the kind's attributes and methods):\n" + "\n".join(offenders)
