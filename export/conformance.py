@@ -94,8 +94,8 @@ def build_and_export(work: Path) -> dict:
     from specdrafter.core.recipe import load_recipe
     from specdrafter.data.assets import ensure_smollm2
     from specdrafter.export.formats import FORMATS, export
+    from specdrafter.kinds import KINDS, build_drafter
     from specdrafter.recipes import RECIPES_DIR
-    from specdrafter.train.drafters import build_drafter
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -108,7 +108,6 @@ def build_and_export(work: Path) -> dict:
                                           tie_word_embeddings=False)).eval().requires_grad_(False)
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    recipes = {"eagle3": "smollm2-135m-eagle3", "medusa": "smollm2-135m-medusa", "draft_model": "smollm2-135m-draft"}
     extra = {"eagle3-pruned": ["drafter.eagle.draft_vocab_size=1024"], "eagle3-full": ["drafter.eagle.draft_vocab_size=0"],
              "medusa": ["drafter.num_layers=1", "drafter.medusa.num_heads=5"], "draft": ["drafter.num_layers=2"]}
     ids = torch.tensor([[1, 9690, 198, 504, 3287, 314, 253, 2114]])
@@ -117,7 +116,7 @@ def build_and_export(work: Path) -> dict:
     refs, exports = {}, {}
     for name, kind in DRAFTERS.items():
         run = work / "runs" / name
-        cfg = load_recipe(RECIPES_DIR / f"{recipes[kind]}.yaml",
+        cfg = load_recipe(RECIPES_DIR / KINDS[kind].recipe,
                           [f"output_dir={run}", f"target.model={target_dir}", f"train.data_dir={run / 'data'}",
                            f"drafter.kind={kind}", "drafter.eagle.aux_layer_ids=[1,2,3]", "inference.k=3",
                            "train.wandb.mode=disabled", *extra[name]])
@@ -139,7 +138,7 @@ def build_and_export(work: Path) -> dict:
         (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
         (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "tokens": 1000, "drafter": kind}))
         refs[name] = reference(name, module, target, hs, ids)
-        for fmt in [f for f, k in FORMATS.items() if k == kind]:
+        for fmt in [f for f, k in FORMATS.items() if k.name == kind]:
             try:
                 exports[f"{fmt}/{name}"] = str(export(folder, fmt, work / "exports" / name / fmt))
             except SpecdrafterError as e:
