@@ -5,12 +5,10 @@ the report is written, and a rerun does no work twice."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import datasets
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
 
 
 def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
@@ -57,16 +55,19 @@ def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
 
 def test_the_trend_is_alphas_slope_per_decade_and_its_extrapolation_to_tau_3():
     from specdrafter.eval.scaling import ALPHA_FOR_TAU_3, alpha_trend, trend_lines
-    assert sum(ALPHA_FOR_TAU_3 ** j for j in range(5)) == pytest.approx(3.0, abs=1e-3)  # τ = 3 at k = 4
+    assert ALPHA_FOR_TAU_3 == pytest.approx(0.741271, abs=1e-4)  # the root in [0, 1] of α⁴ + α³ + α² + α − 2 (bisection)
     a, b = alpha_trend([(1e5, 0.30), (1e6, 0.40), (1e7, 0.50)])
     assert (a, b) == (pytest.approx(-0.2), pytest.approx(0.1))
+    a, b = alpha_trend([(1e5, 0.30), (1e6, 0.50), (1e7, 0.40)])  # not on a line: the least-squares fit
+    assert (a, b) == (pytest.approx(0.1), pytest.approx(0.05))  # x̄ = 6, ȳ = 0.4: b = (−1·−0.1 + 1·0) / 2, a = ȳ − 6b
     assert alpha_trend([(1e5, 0.3)]) is None
     cell = lambda alpha: {"cells": {"mt|T=0|chain": {"alpha": alpha}}}  # noqa: E731
-    runs = {"dataset-100000": {"source": "dataset", "budget": 100000, **cell(0.30)},
-            "dataset-1000000": {"source": "dataset", "budget": 1000000, **cell(0.40)},
+    runs = {"dataset-100000": {"source": "dataset", "budget": 100000, **cell(0.3413)},
+            "dataset-1000000": {"source": "dataset", "budget": 1000000, **cell(0.4413)},
             "target-100000": {"source": "target", "budget": 100000, **cell(0.90)}}  # the other source: not on the line
     lines = trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])
-    assert lines[-1] == f"| mt | 0 | +0.100 | 2 | {10 ** ((ALPHA_FOR_TAU_3 + 0.2) / 0.1):.1e} |"
+    # +0.1 a decade from 0.3413 at 1e5 tokens: four more decades to 0.7413
+    assert lines[-1] == "| mt | 0 | +0.100 | 2 | 1.0e+09 |"
     runs["dataset-1000000"] = {"source": "dataset", "budget": 1000000, **cell(0.25)}
     assert trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])[-1].endswith("| never (α does not grow) |")
 
