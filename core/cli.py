@@ -5,38 +5,59 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
 from specdrafter.kinds import check_recipe
 
 
-def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> None:
+def cli(main: Callable[..., Any], argv: Optional[List[str]] = None, flags: Optional[Dict[str, Optional[int]]] = None,
+        show_recipe: bool = True) -> None:
     """Entry point shared by the launch scripts: `script.py RECIPE [key=value ...] [--print-config]`.
 
-    Prints the resolved recipe, runs `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on
-    stderr and a non-zero exit status (1 for bad input, 130 for an interrupt).
+    Prints the resolved recipe (unless show_recipe is False: a command whose output is a report on the recipe), runs
+    `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on stderr and a non-zero exit status (1 for bad
+    input, 130 for an interrupt). `flags` names a command's integer options (`--nodes 2` or `--nodes=2`, positive)
+    with their defaults; main is then called as `main(cfg, recipe, values)`: the recipe file as given, {flag: value}.
     """
     argv = sys.argv[1:] if argv is None else argv
     argv = [a for a in argv if not a.startswith("--local_rank")]  # added by the `deepspeed` launcher
     print_only = "--print-config" in argv
-    args = [a for a in argv if a != "--print-config"]
+    values, args = _int_flags([a for a in argv if a != "--print-config"], flags or {})
     if not args or args[0].startswith("-") or "=" in args[0]:
         prog = Path(sys.argv[0]).name
-        sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...] [--print-config]")
+        sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...]{''.join(f' [{f} N]' for f in values)} [--print-config]")
     try:
         cfg = load_recipe(args[0], args[1:])
         check_recipe(cfg)  # the rules that depend on the drafter kind
-        if os.environ.get("RANK", "0") == "0":  # one copy of the recipe under a multi-rank launcher
+        if (show_recipe or print_only) and os.environ.get("RANK", "0") == "0":  # one copy under a multi-rank launcher
             print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
         if print_only:
             return
-        main(cfg)
+        if flags:
+            main(cfg, args[0], values)
+        else:
+            main(cfg)
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
+
+
+def _int_flags(argv: List[str], defaults: Dict[str, Optional[int]]) -> Tuple[Dict[str, Optional[int]], List[str]]:
+    """({flag: value}, the other arguments): `--flag N` or `--flag=N`, N a positive integer."""
+    values, rest, it = dict(defaults), [], iter(argv)
+    for a in it:
+        name, eq, value = a.partition("=")
+        if name in values:
+            value = value if eq else next(it, "")
+            if not value.isdigit() or int(value) < 1:
+                sys.exit(f"error: {name} needs a positive integer, got {value!r}")
+            values[name] = int(value)
+        else:
+            rest.append(a)
+    return values, rest

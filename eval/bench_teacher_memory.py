@@ -26,6 +26,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
 
     from specdrafter.core.recipe import load_recipe
     from specdrafter.kinds import build_drafter, kind_of
+    from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch
     from specdrafter.train.drafters import run_target
 
@@ -34,7 +35,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                          tie_word_embeddings=False)
     target = LlamaForCausalLM(config).eval().requires_grad_(False)
-    cfg = load_recipe("recipes/llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
+    cfg = load_recipe(RECIPES_DIR / "llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
     tokens_seen = type("Counts", (), {"target_tokens": staticmethod(lambda: [torch.randint(0, V, (200_000,))])})
     drafter = build_drafter(cfg, target, tokens_seen)
     layers = kind_of(cfg).feature_layers(cfg, config.num_hidden_layers)

@@ -56,6 +56,7 @@ import json
 import logging
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
+from specdrafter.core.cli import cli
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
@@ -563,3 +565,19 @@ def _log_wandb(cfg: DictConfig, data: dict, out: Path) -> None:
     run.log({"cells": wandb.Table(columns=columns, data=[[c.get(k) for k in columns] for c in data["cells"]]),
              **{f"plots/{p.stem}": wandb.Image(str(p)) for p in sorted(out.glob("*.png"))}})
     run.finish()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m specdrafter.eval.job RECIPE.yaml checkpoint=X [eval.*=...]` (launch/eval_acceptance.py);
+    `checkpoint=X` is short for eval.checkpoint=X."""
+    def evaluate(cfg: DictConfig) -> None:
+        out = run_eval(cfg)
+        print(f"results: {out / 'results.json'}\nreport: {out / 'report.md'}")
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    cli(evaluate, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """The τ-vs-target-tokens curve: does more target data make a drafter that accelerates decoding?
 
     python launch/scaling.py recipes/smollm2-135m-scaling.yaml [key=value ...]
+    python -m specdrafter.eval.scaling recipes/smollm2-135m-scaling.yaml [key=value ...]   (the same)
 
 For the recipe's data source (data.responses) one data job is grown, shard by shard, until it holds the largest of
 `scaling.budgets` target tokens; then, for each budget, an EAGLE-3 head is trained on the dataset's first
@@ -8,9 +9,10 @@ conversations holding that many target tokens (train.data_tokens) and evaluated 
 (eval.sets × eval.temperatures × chain at inference.k and the auto-sized dynamic tree). At `scaling.compare_budget`
 the other source is trained and evaluated too: regenerated (target) vs teacher-forced (dataset) at equal tokens.
 
-Every step is one of the project's own commands, run as a subprocess, each resuming where it stopped, so rerunning
-the same command after a kill continues the curve. After every evaluated run `scaling.json`, `scaling.md` and
-`tau_vs_tokens.png` are rewritten in output_dir: a budget still training appears as not reached.
+Every step is one of the project's own commands, run as a subprocess (`python -m specdrafter.data.regenerate`,
+`.train.command`, `.eval.job`), each resuming where it stopped, so rerunning the same command after a kill continues
+the curve. After every evaluated run `scaling.json`, `scaling.md` and `tau_vs_tokens.png` are rewritten in
+output_dir: a budget still training appears as not reached.
 """
 
 from __future__ import annotations
@@ -29,20 +31,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from specdrafter.core.cli import cli  # noqa: E402
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
 from specdrafter.eval.acceptance import speedup_of  # noqa: E402
 
 log = logging.getLogger("specdrafter")
-LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 
 
-def command(script: str, recipe: str, overrides: List[str], *extra: str) -> None:
-    """Run one of launch/*.py with the scaling recipe plus `extra` overrides; a failure stops the curve in one line."""
-    cmd = [sys.executable, str(LAUNCH / script), recipe, *overrides, *extra]
-    log.info("$ " + " ".join(cmd[1:]))
+def command(module: str, recipe: str, overrides: List[str], *extra: str) -> None:
+    """Run `python -m module` (a command of the package, so no checkout is needed) with the scaling recipe plus
+    `extra` overrides; a failure stops the curve in one line."""
+    cmd = [sys.executable, "-m", module, recipe, *overrides, *extra]
+    log.info("$ python " + " ".join(cmd[1:]))
     done = subprocess.run(cmd)
     if done.returncode != 0:
-        raise SpecdrafterError(f"{script} failed (exit {done.returncode}); rerun the same scaling command to resume")
+        raise SpecdrafterError(f"{module} failed (exit {done.returncode}); rerun the same scaling command to resume")
 
 
 def response_tokens(data_dir: Path) -> int:
@@ -63,7 +66,7 @@ def ensure_data(cfg: DictConfig, recipe: str, overrides: List[str], source: str,
                                        "prompt set has no more conversations; lower scaling.budgets")
         shard = cfg.data.shard_size
         conversations = max(conversations + shard, math.ceil(tokens * 1.05 / per_conversation / shard) * shard)
-        command("generate_data.py", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
+        command("specdrafter.data.regenerate", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
                 f"data.num_conversations={conversations}")
     return response_tokens(data_dir)
 
@@ -108,11 +111,11 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
         data_dir = out / f"data-{source}"
         ensure_data(cfg, recipe, overrides, source, budget, data_dir)
         run_dir = out / name
-        command("train_eagle.py", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
+        command("specdrafter.train.command", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
                 f"train.data_tokens={budget}")
         newest = complete_checkpoints(run_dir / "checkpoints")[-1]
         state = json.loads((newest / "trainer_state.json").read_text())
-        command("eval_acceptance.py", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
+        command("specdrafter.eval.job", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
                 f"eval.output_dir={run_dir / 'eval'}", "eval.k_sweep=[]", "eval.verifiers=[chain,tree]")
         report["runs"][name] = {"source": source, "budget": budget, "step": state["step"],
                                 "tokens_seen": state["tokens"], "heldout": state.get("metrics"),
@@ -214,3 +217,19 @@ def write_scaling_report(report: dict, out: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(out / "tau_vs_tokens.png")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m specdrafter.eval.scaling RECIPE.yaml [key=value ...]` (launch/scaling.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+
+    def curve(cfg: DictConfig) -> None:
+        out = run_scaling(cfg, argv[0], [a for a in argv[1:] if "=" in a])
+        print(f"report: {out / 'scaling.md'}")
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli(curve, argv)
+
+
+if __name__ == "__main__":
+    main()

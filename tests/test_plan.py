@@ -1,7 +1,6 @@
 """The planner (train/plan.py, launch/plan.py): cluster recipes planned on the meta device in seconds, one line per
 failing sanity check, and the launchers' check silent on CPU."""
 
-import importlib.util
 import json
 import runpy
 import sys
@@ -13,6 +12,7 @@ from conftest import REPO
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
 from specdrafter.train.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
+from specdrafter.train.plan import main as plan_main
 
 LLAMA8B = REPO / "recipes" / "llama8b.yaml"
 EIGHT = Setup(world=8, gpus_per_node=8)
@@ -116,14 +116,17 @@ def test_per_node_numbers(llama8b):
 
 
 def test_cli_prints_plan_and_fails_in_one_line(capsys):
-    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "launch" / "plan.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    assert cli.take_flags(["r.yaml", "--nodes", "2", "--gpus-per-node=4", "a=b"]) == (2, 4, ["r.yaml", "a=b"])
-    cli.main(load_recipe(LLAMA8B), "recipes/llama8b.yaml", 2, 8)
-    assert "world 16" in capsys.readouterr().out
-    with pytest.raises(SpecdrafterError, match="^does not fit"):
-        cli.main(load_recipe(LLAMA8B, ["train.gpu_memory_gb=10"]), "recipes/llama8b.yaml", 1, 8)
+    plan_main([str(LLAMA8B), "--nodes", "2", "--gpus-per-node=4"])
+    out = capsys.readouterr()
+    assert "2 node(s) × 4 GPU(s) = world 8" in out.out
+    assert out.err == ""  # the plan is the output: no resolved recipe before it
+    with pytest.raises(SystemExit, match="^error: does not fit"):
+        plan_main([str(LLAMA8B), "train.gpu_memory_gb=10", "--nodes=2"])
+    assert "world 16" in capsys.readouterr().out  # the whole plan before the failing line
+    with pytest.raises(SystemExit, match="^error: --gpus-per-node needs a positive integer, got '0'$"):
+        plan_main([str(LLAMA8B), "--gpus-per-node", "0"])
+    with pytest.raises(SystemExit, match=r"^usage: .* RECIPE.yaml \[key=value ...\] \[--nodes N\] \[--gpus-per-node N\]"):
+        plan_main(["--nodes", "2"])
 
 
 def launch(monkeypatch, script: str, *args: str) -> str:
