@@ -1,6 +1,7 @@
 """The planner's memory model: bytes per rank of a training run, term by term, as train/loop.py and DeepSpeed
 allocate them (train/plan.py explains the terms and assembles the plan). The constants below were fitted to what
-the loop allocates; tests/test_plan.py pins them against tensors measured on tiny configs."""
+the loop allocates; tests/test_memory.py pins OBJECTIVE_BYTES and EAGLE-3's saved bytes per token and TTT step (on
+the CPU) against the tensors autograd saves on tiny configs, eval/bench_plan.py the whole plan against measured peaks."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from omegaconf import DictConfig
 
 from specdrafter.train.drafters import TEACHER_CHUNK
 
+GIB = 2**30
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
 MAX_LIVE_PARAMETERS = 1_000_000_000  # ZeRO-3's stage3_max_live_parameters default
 # Bytes per element of a [rows, vocabulary] pair of the distillation loss (train/objectives.py, fp32): what its
 # backward keeps (log q and each objective's own) and the peak while it is computed (with log p and temporaries).
-OBJECTIVE_BYTES = {"soft_ce": (9, 21), "fkl": (9, 22), "tv": (12, 20), "rkl": (13, 21), "jsd": (23, 35)}
+OBJECTIVE_BYTES = {"soft_ce": (9, 21), "fkl": (9, 21), "tv": (12, 20), "rkl": (13, 21), "jsd": (23, 39)}
 CPU_ADAM_TEMPS = 3  # torch AdamW on CPU goes tensor by tensor: ~3 temporaries of the largest tensor at the step
 
 @dataclass
@@ -252,10 +254,15 @@ def eagle3(act: Activations, m: MemoryInputs) -> None:
     first = (6 if low else 12) * d  # fc's saved input [N, 3d]
     rows_d = (8 if low else 12) * d  # the logits' norm and lm_head input
     cuda = m.setup.device == "cuda"
+    # q and the attention's output, and on CUDA o_proj's input, a copy of it ([B, h, T, hd] → [B, T, h·hd]); the
+    # CPU kernel returns its output in that layout already
+    attention = (3 if cuda else 2) * a * h * hd
+    rotary = 2 * a * hd  # cos and sin [B, T, hd], saved by the rotation of q and k
     for j in range(e.ttt_steps):
         keys = (j + 1) * L
-        act.saved += N * (per_token + 3 * a * h * hd + 2 * a * kvh * hd * (j + 1) + 4 * a * I + 4 * h + rows_d)
-        act.saved += (5 if cuda else 1) * keys * L  # the TTT mask [T, (j+1)T] (CUDA: also as an fp32 bias)
+        act.saved += N * (per_token + attention + rotary + 2 * a * kvh * hd * (j + 1) + 4 * a * I + 4 * h + rows_d)
+        # the TTT mask [T, (j+1)T]: CUDA keeps it and an fp32 bias; the CPU kernel keeps it as a bias in q's dtype
+        act.saved += (5 if cuda else a) * keys * L
         if cuda:  # masked GQA attention runs on SDPA's math kernel: fp32 q, repeated k/v and probabilities
             act.saved += N * (4 * h * hd + 8 * h * hd * (j + 1)) + 4 * B * h * L * keys
         prediction(act, m, Vd, gather=4 if Vd < T.vocab else 8)
