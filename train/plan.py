@@ -23,11 +23,17 @@ recipes/targets/<Name>.json. Memory per rank is counted term by term the way tra
 Each moment of a micro-step (teacher, forward, loss, backward, bucket, step) is summed; the largest is the plan.
 eval/bench_plan.py measures the same recipe against this plan (peak live tensor bytes and RSS on CPU,
 torch.cuda.max_memory_allocated on a GPU).
+
+This module assembles the plan (Plan, make_plan, the data facts) and runs it (preflight, the command line); the
+parts live beside it:
+    train/model_configs.py   a model's config without its weights (target_config)
+    train/memory.py          the byte model: the terms above, per rank, and the kinds' activation terms
+    train/plan_checks.py     the recipe, batch and memory checks, one (ok, line) each
+    train/plan_report.py     the plan as text (format_plan)
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,43 +47,13 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.kinds import KINDS, kind_of
 from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
-from specdrafter.train.memory import Counts, Setup, Shapes, activations, dtype_bytes, model_states, precision
+from specdrafter.train.memory import GIB, Counts, Setup, Shapes, activations, dtype_bytes, model_states
+from specdrafter.train.model_configs import target_config
+from specdrafter.train.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
+from specdrafter.train.plan_report import format_plan
 
-TARGETS_DIR = RECIPES_DIR / "targets"
-GIB = 2**30
 DEFAULT_GPU_GB = 80.0
 TEMPLATE_TOKENS = 32  # chat-template tokens per turn, for token estimates without a tokenizer
-
-
-# ------------------------------------------------------------------------------------------------- configs
-def target_config(name: str):
-    """A model's config without its weights: the built-in SmolLM2 folder, a local folder, a shipped
-    recipes/targets/<Name>.json, or (last) transformers' own lookup, which may use the hub cache or network."""
-    from transformers import AutoConfig
-
-    path = _config_path(name)
-    try:
-        return AutoConfig.from_pretrained(str(path) if path else name)
-    except (OSError, ValueError) as e:
-        shipped = TARGETS_DIR / f"{name.rstrip('/').split('/')[-1]}.json"
-        raise SpecdrafterError(f"no config for model {name!r} ({str(e).splitlines()[0]}); put its config.json in "
-                               f"{shipped.relative_to(RECIPES_DIR.parent)} or point the recipe at a local folder") from None
-
-
-def _config_path(name: str) -> Optional[Path]:
-    from specdrafter.core.recipe import BUILTIN_TARGETS
-    from specdrafter.data.assets import SMOLLM2_DIR, cache_dir
-
-    if name in BUILTIN_TARGETS:
-        folder = cache_dir() / "models" / SMOLLM2_DIR
-        if not (folder / "config.json").is_file():
-            raise SpecdrafterError(f"the built-in target {name!r} is not converted yet: run python launch/fetch_assets.py")
-        return folder
-    local = Path(name).expanduser()
-    if (local / "config.json").is_file():
-        return local
-    shipped = TARGETS_DIR / f"{name.rstrip('/').split('/')[-1]}.json"
-    return shipped if shipped.is_file() else None
 
 
 # ------------------------------------------------------------------------------------------- meta models
@@ -181,66 +157,6 @@ PHASES = {"teacher": "next micro-step's teacher (the previous one's tensors stil
           "step": "optimizer step"}
 
 
-# ------------------------------------------------------------------------------------------------- checks
-def recipe_checks(cfg: DictConfig, T: Shapes, s: Setup) -> List[Tuple[bool, str]]:
-    """One line each: (ok, line). Run before anything loads; the launchers refuse the first failure."""
-    kind = kind_of(cfg)
-    out = kind.planner_checks(cfg, T, target_config)
-    if kind.trainable:
-        out += _offline_cache_check(cfg, T)
-    out.append((s.world >= 1 and s.gpus_per_node >= 1, f"world size {s.world} ({s.nodes} node(s) × {s.gpus_per_node})"))
-    return out
-
-
-def _offline_cache_check(cfg: DictConfig, T: Shapes) -> List[Tuple[bool, str]]:
-    if cfg.train.features.value != "offline" or not cfg.train.data_dir:
-        return []
-    stats = _read_json(Path(cfg.train.data_dir).expanduser() / "stats.json")
-    if stats is None:
-        return []
-    cached, need = stats.get("hidden_state_layers") or [], kind_of(cfg).feature_layers(cfg, T.layers)
-    missing = [k for k in need if k not in cached]
-    return [(not missing, f"recipe key 'train.features': offline needs layers {need} but {cfg.train.data_dir} caches "
-                          f"{cached}; set train.features=online or add them to the data job's data.hidden_states.layer_ids"
-             if missing else f"cached layers {cached} cover {need}")]
-
-
-def batch_checks(cfg: DictConfig, data: Dict[str, object], s: Setup) -> List[Tuple[bool, str]]:
-    t = cfg.train
-    conversations = data.get("conversations")
-    step = t.micro_batch_size * t.grad_accum * s.world
-    if not conversations:
-        return [(True, f"global batch {t.micro_batch_size} × {t.grad_accum} × {s.world} ranks = {step} conversations")]
-    train = int(conversations) - t.heldout
-    per_epoch = train // (t.micro_batch_size * s.world) // t.grad_accum
-    ok = per_epoch >= 1
-    return [(ok, f"global batch {step} conversations ({t.micro_batch_size} × {t.grad_accum} × {s.world} ranks): "
-                 f"{per_epoch} steps per epoch of {train} training conversations" if ok else
-             f"recipe keys 'train.micro_batch_size' / 'train.grad_accum': {train} training conversations make less than "
-             f"one optimizer step of {t.micro_batch_size} × {t.grad_accum} × {s.world} ranks")]
-
-
-FIXES = {"target weights": "target.dtype=bfloat16, or GPUs with more memory",
-         "drafter weights": "train.zero_stage=3 (or more GPUs at ZeRO 3)",
-         "gradients": "train.zero_stage=2 and more GPUs",
-         "optimizer state": "train.zero_stage (higher) and more GPUs",
-         "reduce bucket": "train.zero_stage=0 (the bucket is ZeRO 1-2's)",
-         "activations": "train.micro_batch_size or train.max_length (lower)",
-         "teacher logits": "train.micro_batch_size or train.max_length (lower)"}
-
-
-def memory_check(plan: Plan) -> Tuple[bool, str]:
-    total = plan.total / GIB
-    if plan.fits:
-        return True, f"memory {total:.1f} of {plan.budget_gb:g} GiB per GPU ({plan.budget_source})"
-    name, size = max(plan.terms.items(), key=lambda kv: kv[1])
-    fix = FIXES[name]
-    if name in KINDS[plan.kind].memory_fixes:
-        fix += ", " + KINDS[plan.kind].memory_fixes[name]
-    return False, (f"does not fit: {total:.1f} GiB per GPU > {plan.budget_gb:g} GiB ({plan.budget_source}); biggest term "
-                   f"{name} {size / GIB:.1f} GiB: change {fix}")
-
-
 # --------------------------------------------------------------------------------------------------- data
 def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
     """The data job behind train.data_dir (its stats.json when it ran, else its recipe's upper bound), the
@@ -248,11 +164,8 @@ def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
     from specdrafter.data.regenerate import hidden_states_bytes
 
     facts: Dict[str, object] = {}
-    data_dir = cfg.train.data_dir
-    job, source = _data_job(cfg)
-    d = job.data if job is not None else cfg.data
-    facts["job"] = source
-    stats = _read_json(Path(data_dir).expanduser() / "stats.json") if data_dir else None
+    d, facts["job"] = data_job(cfg)
+    stats = data_stats(cfg)
     per_conv = min(d.max_turns * (d.max_prompt_tokens + d.max_new_tokens + TEMPLATE_TOKENS), T.positions or 10**12)
     if stats and stats.get("tokens"):
         facts.update(conversations=stats.get("conversations"), tokens=stats["tokens"], measured=True)
@@ -270,18 +183,19 @@ def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
     return facts
 
 
-def _data_job(cfg: DictConfig) -> Tuple[Optional[DictConfig], str]:
-    """The data job's recipe: the one it saved in train.data_dir, else a recipe in recipes/ writing there."""
+def data_job(cfg: DictConfig) -> Tuple[DictConfig, str]:
+    """(the data section of the data job behind train.data_dir, where it comes from): the one it saved in
+    train.data_dir, else a recipe in recipes/ writing there, else this recipe's own."""
     data_dir = cfg.train.data_dir
     if not data_dir:
-        return None, "this recipe's data section (no train.data_dir)"
+        return cfg.data, "this recipe's data section (no train.data_dir)"
     saved = Path(data_dir).expanduser() / "recipe.yaml"
     candidates = [saved] if saved.is_file() else sorted(RECIPES_DIR.glob("*.yaml"))
     for path in candidates:
-        job = _data_section(path, data_dir if path != saved else None)
-        if job is not None:
-            return job, str(path.relative_to(RECIPES_DIR.parent) if path.is_relative_to(RECIPES_DIR.parent) else path)
-    return None, f"none found for {data_dir} (this recipe's data section)"
+        section = _data_section(path, data_dir if path != saved else None)
+        if section is not None:
+            return section, _shown(path)
+    return cfg.data, f"none found for {data_dir} (this recipe's data section)"
 
 
 def _data_section(path: Path, output_dir: Optional[str]) -> Optional[DictConfig]:
@@ -292,91 +206,14 @@ def _data_section(path: Path, output_dir: Optional[str]) -> Optional[DictConfig]
         raw = OmegaConf.load(path)
         if output_dir is not None and (raw.get("output_dir") != output_dir or "data" not in raw):
             return None
-        return OmegaConf.merge(OmegaConf.structured(Recipe), {"data": raw.get("data", {})})
+        return OmegaConf.merge(OmegaConf.structured(Recipe), {"data": raw.get("data", {})}).data
     except Exception:  # a damaged or older recipe: no estimate from it
         return None
 
 
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return None
-
-
-# ------------------------------------------------------------------------------------------------- output
-def _gib(n: float) -> str:
-    return f"{n / GIB:8.2f}"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 1e3:.1f} kB"
-
-
-def format_plan(p: Plan, cfg: DictConfig) -> str:
-    t, s = cfg.train, p.setup
-    bf16, amp = precision(cfg, s.device)
-    lines = [f"plan: {p.recipe} — {p.kind} on {cfg.target.model} ({cfg.target.dtype.value}), ZeRO {t.zero_stage}, "
-             f"precision {t.precision.value} ({'bf16' if bf16 else 'fp32'} weights{', bf16 autocast' if amp else ''}), "
-             f"{s.nodes} node(s) × {s.gpus_per_node} GPU(s) = world {s.world}" if KINDS[p.kind].trainable else
-             f"plan: {p.recipe} — target {cfg.target.model}; drafter.kind={p.kind} trains nothing: data and disk only"]
-    if p.counts:
-        c = p.counts
-        lines.append(f"target {c.target / 1e9:.3f} B parameters (frozen); drafter {c.trainable / 1e6:.1f} M trainable"
-                     + (f", {c.frozen / 1e6:.1f} M frozen" if c.frozen else ""))
-        lines.append(f"{'per rank':<52}{'GiB':>8}")
-        for name, size in p.terms.items():
-            lines.append(f"  {_label(name, cfg):<50}{_gib(size)}")
-        lines.append(f"  {'total':<50}{_gib(p.total)}  of {p.budget_gb:g} ({p.budget_source})")
-        lines += [f"  note: {n}" for n in p.notes]
-    lines += _data_lines(p, cfg)
-    lines += _node_lines(p, cfg)
-    lines.append("checks")
-    lines += [f"  {'ok  ' if ok else 'FAIL'} {line}" for ok, line in p.checks]
-    return "\n".join(lines)
-
-
-def _label(name: str, cfg: DictConfig) -> str:
-    t = cfg.train
-    if name == "activations":
-        return f"activations ({t.micro_batch_size} × {t.max_length} tokens{kind_of(cfg).activation_label(cfg)})"
-    return name
-
-
-def _data_lines(p: Plan, cfg: DictConfig) -> List[str]:
-    f = p.data
-    how = "measured (stats.json)" if f["measured"] else f"at most: {f['conversations']} conversations × ≤ {f['per_conversation']}"
-    cache = "cached by the data job" if f["cached"] else "not cached (online features); offline it would take"
-    return ["data",
-            f"  data job: {f['job']}",
-            f"  tokens: {f['tokens']:,} ({how}); training reads ≤ {f['train_tokens']:,} "
-            f"(train.max_length {cfg.train.max_length})",
-            f"  hidden-state cache, layers {f['cache_layers']}: {cache} {_size(f['cache_per_million'])} per 1M tokens, "
-            f"{_size(f['cache_total'])} for this data"]
-
-
-def _node_lines(p: Plan, cfg: DictConfig) -> List[str]:
-    s, f = p.setup, p.data
-    lines = [f"per node ({s.gpus_per_node} GPU(s), {s.nodes} node(s))"]
-    if p.counts:
-        bt = dtype_bytes(cfg.target.dtype.value)
-        host = s.gpus_per_node * (p.counts.target * bt + 16 * int(f["train_tokens"]))
-        if cfg.train.features.value == "offline":
-            host += s.gpus_per_node * int(f["cache_total"])
-        lines.append(f"  GPU memory {s.gpus_per_node} × {p.total / GIB:.1f} GiB; host RAM ≥ {host / GIB:.1f} GiB (each rank "
-                     "loads the target on the host and holds every "
-                     f"conversation{' and the cache' if cfg.train.features.value == 'offline' else ''})")
-    disk = 20 * int(f["tokens"]) + (int(f["cache_total"]) if cfg.train.features.value == "offline" else 0)
-    lines.append(f"  disk: train.data_dir ≈ {_size(disk)} on every node (shards"
-                 f"{' + hidden/' if cfg.train.features.value == 'offline' else ''}); output_dir on a filesystem all nodes share")
-    if p.counts:
-        ckpt = 16 * p.counts.trainable + 4 * p.counts.frozen
-        lines.append(f"  checkpoints ≈ {_size(ckpt)} each × train.keep_checkpoints {cfg.train.keep_checkpoints} "
-                     "(every rank writes its ZeRO partition)")
-    return lines
+def _shown(path: Path) -> str:
+    """A shipped recipe as recipes/NAME (the same in a checkout and an installed package), any other as given."""
+    return str(path.relative_to(RECIPES_DIR.parent)) if path.is_relative_to(RECIPES_DIR.parent) else str(path)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
