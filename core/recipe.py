@@ -186,6 +186,9 @@ class WandbConfig:
 @dataclass
 class TrainConfig:
     data_dir: Optional[str] = None  # the data job's output_dir (shards/ + hidden/)
+    # The data job's recipe (a path, or the name of one in recipes/), which launch/plan.py sizes the data from until
+    # the job has run and saved its own recipe.yaml in data_dir. None: this recipe's data section. Training never reads it.
+    data_recipe: Optional[str] = None
     features: FeatureMode = FeatureMode.online
     # Distillation objective: weights over tv, fkl, rkl, jsd, soft_ce (docs/algorithms.md §Objectives), at
     # `temperature` (match the temperature the drafter will serve at). Empty = {soft_ce: 1}. Entries merge across

@@ -76,6 +76,22 @@ def test_world_size_against_batch(tmp_path):
     assert problems[0].startswith("recipe keys 'train.micro_batch_size' / 'train.grad_accum': 44 training")
 
 
+def test_data_job_is_the_saved_recipe_then_train_data_recipe_then_this_one(tmp_path):
+    """The data facts come from the recipe.yaml the data job saved in train.data_dir once it ran, before that from
+    the recipe train.data_recipe names (recipes/llama8b-data.yaml: 200000 conversations of ≤ 4 turns), and without
+    one from this recipe's own data section."""
+    named = plan_of(LLAMA8B, f"train.data_dir={tmp_path}").data
+    assert named["job"] == "recipes/llama8b-data.yaml" and named["conversations"] == 200_000
+    assert named["per_conversation"] == 4 * (1024 + 1024 + 32)
+    (tmp_path / "recipe.yaml").write_text("output_dir: x\ndata: {num_conversations: 300, max_turns: 1}\n")
+    saved = plan_of(LLAMA8B, f"train.data_dir={tmp_path}").data
+    assert saved["job"] == str(tmp_path / "recipe.yaml") and saved["conversations"] == 300
+    own = plan_of(LLAMA8B, f"train.data_dir={tmp_path / 'none'}", "train.data_recipe=null", "data.num_conversations=7").data
+    assert own["job"] == "this recipe's data section" and own["conversations"] == 7
+    with pytest.raises(SpecdrafterError, match="^recipe key 'train.data_recipe': no recipe 'nothing.yaml'"):
+        plan_of(LLAMA8B, "train.data_recipe=nothing.yaml")
+
+
 def test_memory_that_does_not_fit_names_the_term_and_key():
     plan = plan_of(LLAMA8B, "train.gpu_memory_gb=20")
     assert not plan.fits

@@ -66,7 +66,8 @@ log = logging.getLogger("specdrafter")
 # A larger max_steps / epochs continues on the schedule of the new total (cosine over all steps); rerunning the
 # same command reproduces an uninterrupted run exactly.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.eval_every", "train.save_every", "train.keep_checkpoints",
-                     "train.wandb", "inference", "train.warm_start", "train.gpu_memory_gb", "target.device")
+                     "train.wandb", "inference", "train.warm_start", "train.gpu_memory_gb", "target.device",
+                     "train.data_recipe")
 
 
 # ----------------------------------------------------------------------------------------------- setup

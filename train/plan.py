@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.cli import cli
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import Recipe, RecipeError
 from specdrafter.kinds import KINDS, kind_of
 from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
@@ -184,30 +185,39 @@ def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
 
 
 def data_job(cfg: DictConfig) -> Tuple[DictConfig, str]:
-    """(the data section of the data job behind train.data_dir, where it comes from): the one it saved in
-    train.data_dir, else a recipe in recipes/ writing there, else this recipe's own."""
-    data_dir = cfg.train.data_dir
-    if not data_dir:
-        return cfg.data, "this recipe's data section (no train.data_dir)"
-    saved = Path(data_dir).expanduser() / "recipe.yaml"
-    candidates = [saved] if saved.is_file() else sorted(RECIPES_DIR.glob("*.yaml"))
-    for path in candidates:
-        section = _data_section(path, data_dir if path != saved else None)
+    """(the data section of the data job behind train.data_dir, where it comes from): the recipe.yaml the job saved
+    there once it ran, else the recipe train.data_recipe names, else this recipe's own data section."""
+    data_dir, named = cfg.train.data_dir, cfg.train.data_recipe
+    saved = Path(data_dir).expanduser() / "recipe.yaml" if data_dir else None
+    if saved is not None and saved.is_file():
+        section = _data_section(saved)
         if section is not None:
-            return section, _shown(path)
-    return cfg.data, f"none found for {data_dir} (this recipe's data section)"
+            return section, _shown(saved)
+    if named:
+        path = data_recipe_path(named)
+        section = _data_section(path)
+        if section is None:
+            raise RecipeError(f"recipe key 'train.data_recipe': {named!r} is not a readable recipe with a data section")
+        return section, _shown(path)
+    return cfg.data, "this recipe's data section" + (" (no train.data_dir)" if not data_dir else "")
 
 
-def _data_section(path: Path, output_dir: Optional[str]) -> Optional[DictConfig]:
-    """The schema-merged data section of a recipe file (whose output_dir is `output_dir`, when given), or None."""
-    from specdrafter.core.recipe import Recipe
+def data_recipe_path(name: str) -> Path:
+    """train.data_recipe's file: a path, else a recipe shipped in recipes/ (specdrafter.recipes) of that name."""
+    for path in (Path(name).expanduser(), RECIPES_DIR / name):
+        if path.is_file():
+            return path
+    raise RecipeError(f"recipe key 'train.data_recipe': no recipe {name!r} (neither a file nor one in recipes/)")
 
+
+def _data_section(path: Path) -> Optional[DictConfig]:
+    """The schema-merged data section of a recipe file, or None (a damaged or older recipe: no estimate from it)."""
     try:
         raw = OmegaConf.load(path)
-        if output_dir is not None and (raw.get("output_dir") != output_dir or "data" not in raw):
+        if "data" not in raw:
             return None
-        return OmegaConf.merge(OmegaConf.structured(Recipe), {"data": raw.get("data", {})}).data
-    except Exception:  # a damaged or older recipe: no estimate from it
+        return OmegaConf.merge(OmegaConf.structured(Recipe), {"data": raw.data}).data
+    except Exception:
         return None
 
 
