@@ -180,7 +180,6 @@ def fake_gpus(monkeypatch, count: int, gib: int = 80) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # if train/loop.py is first imported below: DeepSpeed stays on the CPU
     props = type("Props", (), {"total_memory": gib * GIB})
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("torch.cuda.set_device", lambda index: None)
     monkeypatch.setattr("torch.cuda.device_count", lambda: count)
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: props)
 

@@ -229,12 +229,9 @@ def _shown(path: Path) -> str:
 # ---------------------------------------------------------------------------------------------- launchers
 def preflight(cfg: DictConfig) -> Optional[Plan]:
     """The launchers' check before anything heavy loads: on CUDA only (on CPU it does nothing). Refuses a failing
-    recipe check or a plan that does not fit in one SpecdrafterError line; rank 0 prints one summary line. Also
-    binds the process to its GPU (LOCAL_RANK) before train/loop.py's first NCCL collective (DeepSpeed's engine
-    binds it only later)."""
+    recipe check or a plan that does not fit in one SpecdrafterError line; rank 0 prints one summary line."""
     if not torch.cuda.is_available():
         return None
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or min(world, torch.cuda.device_count()))
     device_gb = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / GIB
