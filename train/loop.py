@@ -50,11 +50,8 @@ from specdrafter.core.io import (  # noqa: E402
     write_checkpoint_state,
 )
 from specdrafter.core.recipe import Recipe, load_saved_recipe  # noqa: E402
-from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
-from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
-from specdrafter.inference.decode import speculative_generate  # noqa: E402
-from specdrafter.inference.run import block_length, build_proposer  # noqa: E402
-from specdrafter.inference.sampling import SamplingParams  # noqa: E402
+from specdrafter.data.assets import load_target  # noqa: E402
+from specdrafter.eval.decode_check import decode_check  # noqa: E402
 from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
@@ -380,25 +377,6 @@ def finish(run: Run) -> Dict[str, float]:
     if run.logger:
         run.logger.finish()
     return run.progress.last_metrics or {}
-
-
-@torch.no_grad()
-def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, float]:
-    """The light evaluation: a saved drafter through the real decoding loop (the first eval.num_prompts ≤ 2 prompts
-    of eval.sets[0], greedy, block length inference.k) — τ and α as users will see them, not the held-out proxy."""
-    c = cfg.copy()
-    c.drafter.path, c.inference.tree, c.inference.dynamic_tree.total_tokens = str(folder), [], 0
-    serving = kind_of(c).serving_target(folder, target)
-    proposer = build_proposer(c, serving)  # the drafter in the target's dtype, beside it on its device
-    eos = eos_token_ids(target, tokenizer)
-    tokens = passes = accepted = drafted = 0
-    k = block_length(c.inference)
-    for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, 2)]:
-        prompt = user_prompt_ids(tokenizer, record["turns"][0])
-        r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), k, eos)
-        tokens, passes = tokens + len(r.tokens), passes + len(r.cycles)
-        accepted, drafted = accepted + sum(x.accepted for x in r.cycles), drafted + sum(x.drafted for x in r.cycles)
-    return {"decode/tau": tokens / max(passes, 1), "decode/alpha": accepted / max(drafted, 1)}
 
 
 def micro_batch_loss(drafter, engine, target, batch, layers, t: DictConfig, device):
