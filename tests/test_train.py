@@ -36,6 +36,7 @@ from specdrafter.train.batches import Batch, TrainingData
 from specdrafter.train.drafters import run_target
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
 from specdrafter.train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
+from specdrafter.train.objectives import Objective
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3"}
@@ -225,10 +226,10 @@ def test_predictions_line_up_with_the_targets_rows(tmp_path, kind, extra, peaky_
         if kind == "eagle3":
             assert p.draft_logits.shape == (len(b), 1024) and p.draft_ids.tolist() == drafter.module.draft_ids.tolist()
             in_vocab = drafter.module.t2d[full.logits[b, t + s - 1].argmax(-1)]  # targets the draft cannot emit: not trained
-            assert p.trained.tolist() == in_vocab.tolist() and 0 < int(in_vocab.sum()) < len(b)
+            assert p.loss_rows.tolist() == in_vocab.tolist() and 0 < int(in_vocab.sum()) < len(b)
         else:
             assert p.draft_logits.shape == (len(b), V) and p.draft_ids is None
-            assert p.trained is None or bool(p.trained.all())
+            assert p.loss_rows is None or bool(p.loss_rows.all())
 
     target_params = {id(q) for q in target.parameters()}
     trainable = [n for n, q in drafter.module.named_parameters() if q.requires_grad]
@@ -256,10 +257,11 @@ def test_draft_vocabulary_teacher_gives_the_full_teachers_numbers(tmp_path, monk
         full = drafter.predictions(drafter.module, batch, run_target(target, batch, layers))
         sliced = drafter.predictions(drafter.module, batch, run_target(target, batch, layers, drafter.teacher_ids,
                                                                        temperature))
+    objective = Objective.of(cfg.train)
     for a, b in zip(full, sliced):
         assert a.target_logits.shape[1] == target.config.vocab_size and b.target_logits.shape[1] == 1024
-        assert torch.equal(a.trained, b.trained) and 0 < int(a.trained.sum()) < len(a.trained)
-        torch.testing.assert_close(b.loss(cfg.train)[1], a.loss(cfg.train)[1])
+        assert torch.equal(a.loss_rows, b.loss_rows) and 0 < int(a.loss_rows.sum()) < len(a.loss_rows)
+        torch.testing.assert_close(b.loss(objective)[1], a.loss(objective)[1])
         torch.testing.assert_close(acceptance_sums(b, temperature), acceptance_sums(a, temperature))
 
 
