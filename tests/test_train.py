@@ -26,6 +26,7 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import Recipe, RecipeError, load_recipe
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
 from specdrafter.inference.eagle import EagleTreeProposer
 from specdrafter.inference.run import build_proposer, decode, load_serving_target
@@ -577,12 +578,12 @@ def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, pea
 
     # The trained folder as decoding serves it: the fine-tuned backbone (not the target) with the trained heads. Greedy
     # speculative decoding of the light evaluation's prompts is token-identical to that backbone's own greedy decoding,
-    # and reproduces the τ and α the run logged.
+    # and reproduces the τ and α the run logged (the eval job's α: accepted ÷ draft positions tried).
     served = recipe("medusa", tmp_path, peaky_target, data_dir, *settings, f"drafter.path={final_drafter(tmp_path)}")
     backbone, _ = load_serving_target(served)
     proposer = build_proposer(served, backbone)
     eos = [target.generation_config.eos_token_id]
-    tokens = passes = accepted = drafted = 0
+    tokens, cycles = 0, []
     for record in load_prompt_set(served.eval.sets[0])[:min(served.eval.num_prompts, 2)]:
         prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
                                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -592,10 +593,10 @@ def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, pea
             assert not torch.equal(backbone(torch.tensor([prompt])).logits, target(torch.tensor([prompt])).logits)
         result = speculative_generate(backbone, proposer, prompt, 8, SamplingParams(0.0), served.inference.k, eos)
         assert result.tokens == reference and len(set(reference)) > 1
-        tokens, passes = tokens + len(result.tokens), passes + len(result.cycles)
-        accepted, drafted = accepted + sum(c.accepted for c in result.cycles), drafted + sum(c.drafted for c in result.cycles)
-    assert checks[0]["decode/tau"] == pytest.approx(tokens / passes) and checks[0]["decode/alpha"] == pytest.approx(
-        accepted / drafted)
+        tokens, cycles = tokens + len(result.tokens), cycles + result.cycles
+    measured = cycle_metrics(cycles, tokens, 1.0, {}, chain=True)
+    assert checks[0]["decode/tau"] == pytest.approx(measured.tau) and checks[0]["decode/alpha"] == pytest.approx(
+        measured.alpha)
     with pytest.raises(SpecdrafterError, match="drafter.lora.r > 0"):
         build_drafter(recipe("medusa", tmp_path, peaky_target, data_dir, "drafter.medusa.stage=2"),
                       AutoModelForCausalLM.from_pretrained(peaky_target))
