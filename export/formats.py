@@ -58,7 +58,7 @@ from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
-FORMATS = {f: kind for kind in KINDS.values() for f in kind.formats}  # --format → the drafter kind it exports
+FORMATS = {f: k for k in KINDS.values() for f in k.formats}  # --format → the drafter kind it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
