@@ -191,8 +191,9 @@ class TrainConfig:
     data_recipe: Optional[str] = None
     features: FeatureMode = FeatureMode.online
     # Distillation objective: weights over tv, fkl, rkl, jsd, soft_ce (docs/algorithms.md §Objectives), at
-    # `temperature` (match the temperature the drafter will serve at). Empty = {soft_ce: 1}. Entries merge across
-    # the recipe and overrides, so switch with e.g. train.objective.soft_ce=0 train.objective.tv=1.
+    # `temperature` (match the temperature the drafter will serve at). Empty = {soft_ce: 1}
+    # (train/objectives.py:DEFAULT_WEIGHTS). Entries merge across the recipe and overrides, so switch with e.g.
+    # train.objective.soft_ce=0 train.objective.tv=1.
     objective: Dict[str, float] = field(default_factory=dict)
     temperature: float = 1.0
     jsd_beta: float = 0.5
@@ -568,7 +569,9 @@ def _check_values(cfg: DictConfig) -> None:
         raise RecipeError(f"recipe key 'target.model': model folder {model!r} does not exist")
 
 
-OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")  # train.objective keys; implemented in train/objectives.py
+# train.objective keys, checked here before anything under train/ loads; train/objectives.py:DIVERGENCES implements
+# each (tests/test_objectives.py pins the two to the same names).
+OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")
 
 
 def _check_training(cfg: DictConfig) -> None:

@@ -29,6 +29,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch
     from specdrafter.train.drafters import run_target
+    from specdrafter.train.objectives import Objective
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
@@ -46,7 +47,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     batch = Batch(input_ids, loss_mask, torch.ones(1, tokens, dtype=torch.long), features)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     teacher = run_target(target, batch, layers, drafter.teacher_ids if mode == "draft_vocab" else None)
-    loss = sum(p.loss(cfg.train)[0] for p in drafter.predictions(drafter.module, batch, teacher))
+    loss = sum(p.loss(Objective.of(cfg.train))[0] for p in drafter.predictions(drafter.module, batch, teacher))
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "loss": round(float(loss), 4), "peak_rise_mib": round((peak - before) / 1024, 1),

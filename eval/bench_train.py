@@ -35,6 +35,7 @@ from specdrafter.data.assets import load_target
 from specdrafter.kinds import build_drafter, kind_of
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import run_target
+from specdrafter.train.objectives import Objective
 
 
 def main(argv=None):
@@ -65,6 +66,7 @@ def main(argv=None):
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
     optimizer = torch.optim.AdamW([p for p in drafter.module.parameters() if p.requires_grad], lr=1e-6)
+    objective = Objective.of(t)
     mb = t.micro_batch_size
     chosen = offline.epoch_order(0)[: args.batches * mb]  # one set of conversations for every arm
     cached = [offline.batch(chosen[i * mb:(i + 1) * mb]) for i in range(args.batches)]  # in shuffled order
@@ -81,7 +83,7 @@ def main(argv=None):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):
             out = run_target(target, batch, layers, teacher_ids, t.temperature)
             predictions = drafter.predictions(drafter.module, batch, out)
-        loss = sum(p.loss(t)[0] for p in predictions)
+        loss = sum(p.loss(objective)[0] for p in predictions)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -32,7 +32,6 @@ VLLM_DEPS = ["pyzmq", "msgspec", "cachetools", "cbor2", "pybase64", "blake3", "p
              "yarl", "propcache", "frozenlist", "aiosignal", "aiohappyeyeballs", "openai_harmony", "uvloop",
              "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "partial_json_parser", "llguidance"]  # what its model code imports
 SPECULATORS_DEPS = ["loguru", "pydantic-settings"]
-DRAFTERS = {"eagle3-pruned": "eagle3", "eagle3-full": "eagle3", "medusa": "medusa", "draft": "draft_model"}
 
 
 # ================================================================================= this environment: the driver
@@ -93,7 +92,7 @@ def build_and_export(work: Path) -> dict:
     from specdrafter.core.io import SpecdrafterError
     from specdrafter.core.recipe import load_recipe
     from specdrafter.data.assets import ensure_smollm2
-    from specdrafter.export.formats import FORMATS, export
+    from specdrafter.export.formats import export
     from specdrafter.kinds import KINDS, build_drafter
     from specdrafter.recipes import RECIPES_DIR
 
@@ -108,18 +107,18 @@ def build_and_export(work: Path) -> dict:
                                           tie_word_embeddings=False)).eval().requires_grad_(False)
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    extra = {"eagle3-pruned": ["drafter.eagle.draft_vocab_size=1024"], "eagle3-full": ["drafter.eagle.draft_vocab_size=0"],
-             "medusa": ["drafter.num_layers=1", "drafter.medusa.num_heads=5"], "draft": ["drafter.num_layers=2"]}
     ids = torch.tensor([[1, 9690, 198, 504, 3287, 314, 253, 2114]])
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states  # hs[k] = the input to layer k (our aux-id reading)
     refs, exports = {}, {}
-    for name, kind in DRAFTERS.items():
+    # every kind's conformance variants (kinds/: conformance_variants), e.g. eagle3-pruned / eagle3-full
+    drafters = {name: (kind, overrides) for kind in KINDS.values() for name, overrides in kind.conformance_variants().items()}
+    for name, (kind, overrides) in drafters.items():
         run = work / "runs" / name
-        cfg = load_recipe(RECIPES_DIR / KINDS[kind].recipe,
+        cfg = load_recipe(RECIPES_DIR / kind.recipe,
                           [f"output_dir={run}", f"target.model={target_dir}", f"train.data_dir={run / 'data'}",
-                           f"drafter.kind={kind}", "drafter.eagle.aux_layer_ids=[1,2,3]", "inference.k=3",
-                           "train.wandb.mode=disabled", *extra[name]])
+                           f"drafter.kind={kind.name}", "drafter.eagle.aux_layer_ids=[1,2,3]", "inference.k=3",
+                           "train.wandb.mode=disabled", *overrides])
         drafter = build_drafter(cfg, target, None, tokenizer)
         module = drafter.module.eval()
         torch.manual_seed(1)
@@ -127,48 +126,20 @@ def build_and_export(work: Path) -> dict:
             for q in module.parameters():
                 if q.requires_grad:
                     q.add_(0.05 * torch.randn_like(q))
-            if name == "eagle3-pruned":
-                Vd = len(module.d2t)
-                keep = torch.randperm(target.config.vocab_size)[:Vd].sort().values
-                module.d2t.copy_(keep - torch.arange(Vd))
-                module.t2d.zero_()
-                module.t2d[keep] = True
+            kind.perturb(module, name, target.config.vocab_size)
         folder = run / "checkpoints" / "step-000004"
         drafter.save(module, folder / "drafter", tokenizer)
         (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
-        (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "tokens": 1000, "drafter": kind}))
-        refs[name] = reference(name, module, target, hs, ids)
-        for fmt in [f for f, k in FORMATS.items() if k.name == kind]:
+        (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "tokens": 1000, "drafter": kind.name}))
+        with torch.no_grad():
+            refs[name] = kind.reference_step(module, target, hs, ids)
+        for fmt in kind.formats:
             try:
                 exports[f"{fmt}/{name}"] = str(export(folder, fmt, work / "exports" / name / fmt))
             except SpecdrafterError as e:
                 exports[f"{fmt}/{name}"] = {"error": str(e)}
     torch.save(refs, work / "reference.pt")
     return {"target": str(target_dir), "exports": exports}
-
-
-def reference(name: str, module, target, hs, ids) -> dict:
-    """Inputs of one draft step and our logits. EAGLE-3: one position (the engines' attention core is not run on
-    CPU; with a single key, attention returns its value, so the step needs no KV cache). Medusa: the target's last
-    hidden state at every position. Draft model: its logits on the prompt."""
-    import torch
-
-    with torch.no_grad():
-        if name.startswith("eagle3"):
-            t = 4
-            feats = torch.cat([hs[k][:, t:t + 1] for k in module.aux_layer_ids], -1)  # [1, 1, 3·d_t]
-            embeds = target.get_input_embeddings()(ids[:, t + 1:t + 2])
-            hidden, _ = module(module.fc(feats), embeds, torch.tensor([[t]]))
-            draft = module.logits(hidden)[0]  # [1, Vd]
-            full = torch.full((1, target.config.vocab_size), float("-inf"))
-            full[:, module.draft_ids] = draft
-            return {"features": feats[0], "embeds": embeds[0], "logits": full,
-                    "target_embed": target.get_input_embeddings().weight}
-        if name == "medusa":
-            # Medusa reads the target's final-normed hidden state
-            h = target.model.norm(hs[-1])[0]
-            return {"hidden": h, "logits": torch.stack([lm(b(h)) for b, lm in zip(module.blocks, module.lm_heads)])}
-        return {"ids": ids[0], "logits": module(ids).logits[0]}
 
 
 def markdown(rows: list, info: dict) -> str:

@@ -58,7 +58,7 @@ from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
-FORMATS = {f: kind for kind in KINDS.values() for f in kind.formats}  # --format → the drafter kind it exports
+FORMATS = {f: k for k in KINDS.values() for f in k.formats}  # --format → the drafter kind it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
@@ -447,8 +447,8 @@ def acceptance_table(src: Source) -> str:
     columns = [(name, key) for name, key in columns if any(key in c for c in shown)]
     if shown and columns:
         which = "this checkpoint" if shown[0].get("step") == step else f"training step {shown[0].get('step')}"
-        return (f"Measured on {which} by specdrafter's acceptance evaluation (α: accepted drafts / drafted; τ: tokens "
-                "per target pass):\n\n" + markdown_table([name for name, _ in columns],
+        return (f"Measured on {which} by specdrafter's acceptance evaluation (α: accepted drafts / draft positions "
+                "tried; τ: tokens per target pass):\n\n" + markdown_table([name for name, _ in columns],
                                                          [[c.get(key) for _, key in columns] for c in shown]))
     metrics = src.state.get("metrics") or {}
     names = [k.split("/", 1)[1] for k in metrics if k.startswith("alpha/") and k != "alpha/mean"]

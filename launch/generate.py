@@ -7,15 +7,12 @@
 import logging
 
 from specdrafter.core.cli import cli
-from specdrafter.inference.run import decode, decode_file
+from specdrafter.inference.run import decode, decode_file, file_summary
 
 
 def main(cfg):
     if cfg.inference.prompts:
-        t = decode_file(cfg)
-        print(f"{t['decoded']} prompts decoded ({t['resumed']} already done, {t['skipped']} skipped): {t['tokens']} tokens "
-              f"in {t['seconds']:.1f} s; τ = {t['tokens'] / max(t['passes'], 1):.2f}, "
-              f"α = {t['accepted'] / max(t['drafted'], 1):.3f} → {cfg.output_dir}/decode.jsonl")
+        print(file_summary(decode_file(cfg), cfg.output_dir))
         return
     report = decode(cfg)
     print(report.text)

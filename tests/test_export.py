@@ -459,6 +459,7 @@ def test_card_recipe_and_step_with_no_paths_or_tokens(tmp_path, monkeypatch, che
     assert "training step 4" in card and json.loads((out / "trainer_state.json").read_text())["step"] == 4
     assert "| set | T | verifier | k | α | τ | speedup |" in card and "| mtbench | 0 | chain | 3 | 0.612 | 2.25 | 1.71 |" in card
     assert "Measured on this checkpoint" in card and "| 5 |" not in card and "| 7 |" not in card  # no sweep, no other step
+    assert "α: accepted drafts / draft positions tried" in card  # the eval job's α, whatever k was
     assert "vllm serve someone/smol-eagle3" in card and "input** to target layer k" in card
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert saved["target"]["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and saved["drafter"]["path"] == "drafter"
