@@ -11,13 +11,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
-from specdrafter.kinds import check_recipe
 
 
-def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> None:
+def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None,
+        check: Optional[Callable[[DictConfig], None]] = None) -> None:
     """Entry point shared by the launch scripts: `script.py RECIPE [key=value ...] [--print-config]`.
 
-    Prints the resolved recipe, runs `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on
+    Loads and checks the recipe (core/recipe.py: load_recipe, then `check`, the job's own checks before anything
+    heavy loads), prints the resolved recipe, runs `main(cfg)`, and turns a SpecdrafterError or Ctrl-C into one line on
     stderr and a non-zero exit status (1 for bad input, 130 for an interrupt).
     """
     argv = sys.argv[1:] if argv is None else argv
@@ -29,7 +30,8 @@ def cli(main: Callable[[DictConfig], Any], argv: Optional[List[str]] = None) -> 
         sys.exit(f"usage: {prog} RECIPE.yaml [key=value ...] [--print-config]")
     try:
         cfg = load_recipe(args[0], args[1:])
-        check_recipe(cfg)  # the rules that depend on the drafter kind
+        if check is not None:
+            check(cfg)
         if os.environ.get("RANK", "0") == "0":  # one copy of the recipe under a multi-rank launcher
             print(OmegaConf.to_yaml(cfg), end="", file=sys.stderr if not print_only else sys.stdout)
         if print_only:

@@ -87,8 +87,6 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
     main_source = cfg.data.responses.value
     if main_source == "mix":
         raise SpecdrafterError("recipe key 'data.responses': a scaling curve needs one source (target or dataset), not mix")
-    if not s.budgets or any(b <= 0 for b in s.budgets):
-        raise SpecdrafterError(f"recipe key 'scaling.budgets' must list positive token counts, got {list(s.budgets)}")
     other = "target" if main_source == "dataset" else "dataset"
     runs = [(main_source, b) for b in sorted(s.budgets)]
     if s.compare_budget:

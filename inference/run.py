@@ -26,7 +26,6 @@ from specdrafter.inference.decode import (
 )
 from specdrafter.inference.medusa import typical_generate
 from specdrafter.inference.sampling import SamplingParams
-from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds import drafter_path, kind_of
 
 log = logging.getLogger("specdrafter")
@@ -96,10 +95,6 @@ class Decoder:
 
 def build_decoder(cfg: DictConfig) -> Decoder:
     inf = cfg.inference
-    if inf.tree:
-        tree_from_choices([list(c) for c in inf.tree])  # a bad tree is one line before anything loads
-    if inf.verifier.value == "asd" and (inf.tree or inf.dynamic_tree.total_tokens):
-        raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
     target, tokenizer = load_serving_target(cfg)
     return Decoder(cfg, target, tokenizer, build_proposer(cfg, target), eos_token_ids(target, tokenizer),
                    torch.Generator().manual_seed(inf.seed))

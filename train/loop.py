@@ -58,6 +58,7 @@ from specdrafter.inference.sampling import SamplingParams  # noqa: E402
 from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
+from specdrafter.train.plan import check_training_recipe  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -177,13 +178,6 @@ def load_deepspeed_state(engine, folder: Path, what: str = "", module_only: bool
     return state
 
 
-def check_fits_target(t: DictConfig, config) -> None:
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and t.max_length > limit:
-        raise SpecdrafterError(f"recipe key 'train.max_length' ({t.max_length}) exceeds the target's "
-                               f"max_position_embeddings ({limit})")
-
-
 def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
     def flat(c):
         return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
@@ -267,8 +261,7 @@ def setup(cfg: DictConfig) -> Run:
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     out = Path(cfg.output_dir).expanduser()
-    if not t.data_dir:
-        raise SpecdrafterError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
+    check_training_recipe(cfg)  # the launchers ran it already; a recipe built in code has not
 
     resume = resume_checkpoint(out / "checkpoints", rank, world)
     if resume is not None:
@@ -281,7 +274,6 @@ def setup(cfg: DictConfig) -> Run:
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
-    check_fits_target(t, target.config)
     target.requires_grad_(False)
     target.to(device)
     layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)

@@ -36,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import RecipeError
 from specdrafter.kinds import KINDS, kind_of
 from specdrafter.train.drafters import TEACHER_CHUNK
 from specdrafter.train.memory import Counts, Setup, Shapes, activations, dtype_bytes, model_states, precision
@@ -183,7 +184,14 @@ PHASES = {"teacher": "next micro-step's teacher (the previous one's tensors stil
 def recipe_checks(cfg: DictConfig, T: Shapes, s: Setup) -> List[Tuple[bool, str]]:
     """One line each: (ok, line). Run before anything loads; the launchers refuse the first failure."""
     kind = kind_of(cfg)
-    out = kind.planner_checks(cfg, T, target_config)
+    out = []
+    if kind.trainable:
+        t = cfg.train
+        fits = not T.positions or t.max_length <= T.positions
+        out.append((fits, f"train.max_length {t.max_length} within the target's {T.positions or 'unbounded'} positions"
+                    if fits else f"recipe key 'train.max_length' ({t.max_length}) exceeds the target's "
+                    f"max_position_embeddings ({T.positions})"))
+    out += kind.planner_checks(cfg, T, target_config)
     if kind.trainable:
         out += _offline_cache_check(cfg, T)
     out.append((s.world >= 1 and s.gpus_per_node >= 1, f"world size {s.world} ({s.nodes} node(s) × {s.gpus_per_node})"))
@@ -378,6 +386,17 @@ def _node_lines(p: Plan, cfg: DictConfig) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------- launchers
+def check_training_recipe(cfg: DictConfig) -> None:
+    """What a training run checks before anything heavy loads (the launchers also with --print-config): a data job
+    to train on, and the recipe checks that need only the target's config.json (`recipe_checks`: train.max_length,
+    the kind's layers and vocabulary). The first failure is one RecipeError line."""
+    if not cfg.train.data_dir:
+        raise RecipeError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
+    problems = [line for ok, line in recipe_checks(cfg, Shapes.of(target_config(cfg.target.model)), Setup()) if not ok]
+    if problems:
+        raise RecipeError(problems[0])
+
+
 def preflight(cfg: DictConfig) -> Optional[Plan]:
     """The launchers' check before anything heavy loads: on CUDA only (on CPU it does nothing). Refuses a failing
     recipe check or a plan that does not fit in one SpecdrafterError line; rank 0 prints one summary line. Also
