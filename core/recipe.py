@@ -662,4 +662,8 @@ def _looks_local(name: str) -> bool:
 
 
 def save_recipe(cfg: DictConfig, folder: str | os.PathLike) -> Path:
-    return atomic_write_text(Path(folder) / "recipe.yaml", OmegaConf.to_yaml(cfg))
+    """The resolved recipe as <folder>/recipe.yaml beside a job's outputs, named in one log line: all a job says of its
+    recipe (--print-config prints it whole)."""
+    path = atomic_write_text(Path(folder) / "recipe.yaml", OmegaConf.to_yaml(cfg))
+    log.info(f"recipe: {path}")
+    return path

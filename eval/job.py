@@ -70,6 +70,7 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
+from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import cycle_metrics, range_of
@@ -211,6 +212,7 @@ def run_eval(cfg: DictConfig) -> Path:
     sets = load_sets(e)
     out = default_output_dir(cfg, checkpoints)
     (out / "outputs").mkdir(parents=True, exist_ok=True)
+    save_recipe(cfg, out)
     results = Results(out, cfg)
     verifiers = [v.value for v in e.verifiers]
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
@@ -254,7 +256,18 @@ def run_eval(cfg: DictConfig) -> Path:
     write_report(results.data, out)
     if e.wandb:
         _log_wandb(cfg, results.data, out)
+    log.info(closing_line(results.data, checkpoints[-1].name, out))
     return out
+
+
+def closing_line(data: dict, newest: str, out: Path) -> str:
+    """The job's last line: the cells, the headline of the newest checkpoint (its first cell: the first set, temperature
+    and verifier) and where the report is."""
+    first = next((c for c in data["cells"] if c["checkpoint"] == newest and not c["sweep"]), None)
+    headline = (f"; {newest}, {first['set']} T={first['temperature']:g} {first['verifier']}: τ {first['tau']:.2f}, "
+                f"α {first['alpha']:.3f}, speedup {first['speedup']:.2f}×" if first else "")
+    n = len(data["cells"])
+    return f"evaluation: {n} cell{'s' * (n != 1)}{headline} → {out / 'report.md'}"
 
 
 def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int], todo: List[dict]) -> None:

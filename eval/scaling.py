@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
+from specdrafter.core.recipe import save_recipe  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
@@ -83,6 +84,7 @@ def summarise(results: Path) -> Dict[str, dict]:
 def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
     out = Path(cfg.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    save_recipe(cfg, out)
     s = cfg.scaling
     main_source = cfg.data.responses.value
     if main_source == "mix":
@@ -114,6 +116,7 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
                                 "cells": summarise(run_dir / "eval" / "results.json")}
         atomic_write_json(report_path, report)
         write_scaling_report(report, out)
+    log.info(f"scaling: {len(report['runs'])} runs trained and evaluated ({', '.join(report['runs'])}) → {out / 'scaling.md'}")
     return out
 
 

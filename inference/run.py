@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
+from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.autotune import BlockLengthTuner
@@ -61,7 +62,7 @@ class DecodeReport:
 
     def summary(self) -> str:
         r = self.result
-        return (f"{len(r.tokens)} tokens in {self.seconds:.2f} s = {len(r.tokens) / self.seconds:.1f} tok/s; "
+        return (f"decode: {len(r.tokens)} tokens in {self.seconds:.2f} s = {len(r.tokens) / self.seconds:.1f} tok/s; "
                 f"τ = {r.tau:.2f} tokens per target pass; α = {r.alpha:.3f} (accepted ÷ draft positions tried)"
                 + (f"; ASD regret {r.asd_regret:.2f}" if r.asd_regret else ""))
 
@@ -121,6 +122,7 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
         raise SpecdrafterError(f"recipe key 'inference.prompts': {cfg.inference.prompts!r} holds no prompts")
     out = Path(cfg.output_dir).expanduser() / "decode.jsonl"
     done = _rows_written(out)
+    save_recipe(cfg, out.parent)
     decoder = build_decoder(cfg)
     totals = dict(prompts=len(records), decoded=0, skipped=0, resumed=len(done), tokens=0, passes=0, accepted=0,
                   drafted=0, seconds=0.0)
@@ -148,6 +150,10 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
             bar.update(1)
             if on_prompt is not None:
                 on_prompt(i)
+    t = totals
+    log.info(f"decode: {t['decoded']} prompts ({t['resumed']} done before, {t['skipped']} skipped), {t['tokens']} tokens in "
+             f"{t['seconds']:.1f} s; τ = {t['tokens'] / max(t['passes'], 1):.2f}, α = {t['accepted'] / max(t['drafted'], 1):.3f} "
+             f"→ {out}")
     return totals
 
 

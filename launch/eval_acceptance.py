@@ -11,12 +11,6 @@ import sys
 from specdrafter.core.cli import cli
 from specdrafter.eval.job import run_eval
 
-
-def main(cfg):
-    out = run_eval(cfg)
-    print(f"results: {out / 'results.json'}\nreport: {out / 'report.md'}")
-
-
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli(main, [("eval." + a if a.startswith("checkpoint=") else a) for a in sys.argv[1:]])
+    cli(run_eval, [("eval." + a if a.startswith("checkpoint=") else a) for a in sys.argv[1:]])

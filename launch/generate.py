@@ -12,10 +12,7 @@ from specdrafter.inference.run import decode, decode_file
 
 def main(cfg):
     if cfg.inference.prompts:
-        t = decode_file(cfg)
-        print(f"{t['decoded']} prompts decoded ({t['resumed']} already done, {t['skipped']} skipped): {t['tokens']} tokens "
-              f"in {t['seconds']:.1f} s; τ = {t['tokens'] / max(t['passes'], 1):.2f}, "
-              f"α = {t['accepted'] / max(t['drafted'], 1):.3f} → {cfg.output_dir}/decode.jsonl")
+        decode_file(cfg)
         return
     report = decode(cfg)
     print(report.text)

@@ -14,8 +14,7 @@ from specdrafter.eval.scaling import run_scaling
 
 
 def main(cfg):
-    out = run_scaling(cfg, sys.argv[1], [a for a in sys.argv[2:] if "=" in a])
-    print(f"report: {out / 'scaling.md'}")
+    run_scaling(cfg, sys.argv[1], [a for a in sys.argv[2:] if "=" in a])
 
 
 if __name__ == "__main__":

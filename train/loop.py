@@ -49,7 +49,7 @@ from specdrafter.core.io import (  # noqa: E402
     temp_dir_beside,
     write_checkpoint_state,
 )
-from specdrafter.core.recipe import Recipe, load_saved_recipe  # noqa: E402
+from specdrafter.core.recipe import Recipe, load_saved_recipe, save_recipe  # noqa: E402
 from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
 from specdrafter.inference.decode import speculative_generate  # noqa: E402
@@ -306,7 +306,7 @@ def setup(cfg: DictConfig) -> Run:
         log.info(f"warm start: drafter weights from {warm}")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "recipe.yaml", OmegaConf.to_yaml(cfg))
+        save_recipe(cfg, out)
     return Run(cfg, rank, world, out, device, target, tokenizer, layers, data, drafter, engine, scheduler, per_epoch,
                total, progress, resume, WandbLogger(cfg, out) if rank == 0 else None,
                (time.perf_counter(), progress.tokens))
@@ -368,7 +368,9 @@ def finish(run: Run) -> Dict[str, float]:
         tmp = temp_dir_beside(run.out / "drafter")
         shutil.copytree(run.last_good / "drafter", tmp, dirs_exist_ok=True)
         publish_dir(tmp, run.out / "drafter")
-        log.info(f"drafter of step {run.progress.step}: {run.out / 'drafter'}")
+        alpha = (run.progress.last_metrics or {}).get("alpha/mean")
+        log.info(f"training: {run.cfg.drafter.kind.value}, step {run.progress.step} of {run.total}"
+                 + (f", held-out α̂ {alpha:.3f}" if alpha is not None else "") + f" → {run.out / 'drafter'}")
     if run.logger:
         run.logger.finish()
     return run.progress.last_metrics or {}
