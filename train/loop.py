@@ -53,7 +53,7 @@ from specdrafter.core.recipe import Recipe, load_saved_recipe, save_recipe  # no
 from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
 from specdrafter.inference.decode import speculative_generate  # noqa: E402
-from specdrafter.inference.run import block_length, build_proposer  # noqa: E402
+from specdrafter.inference.run import block_tuner, build_proposer  # noqa: E402
 from specdrafter.inference.sampling import SamplingParams  # noqa: E402
 from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
@@ -386,7 +386,7 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     proposer = build_proposer(c, serving)  # the drafter in the target's dtype, beside it on its device
     eos = eos_token_ids(target, tokenizer)
     tokens = passes = accepted = drafted = 0
-    k = block_length(c.inference)
+    k = block_tuner(c.inference) or c.inference.k
     for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, 2)]:
         prompt = user_prompt_ids(tokenizer, record["turns"][0])
         r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), k, eos)
