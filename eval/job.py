@@ -140,7 +140,9 @@ def settings(cfg: DictConfig) -> dict:
             "target": cfg.target.model, "repeats": e.repeats}
 
 
-SETTINGS_ADDED_LATER = {"repeats": 1}  # a results.json from before a knob existed was made at its default
+# Knobs a results.json may lack, at the value it was made with: the scaling curve's early runs (docs/results/scaling.md)
+# are evaluated again, cells skipped, whenever launch/scaling.py rebuilds its report.
+SETTINGS_ADDED_LATER = {"repeats": 1}
 
 
 # ------------------------------------------------------------------------------------------------- the job
@@ -164,13 +166,13 @@ class Results:
 
     def _read(self) -> Optional[dict]:
         """results.json as saved, or None after moving a damaged one aside (results.json.damaged): its checksum of
-        itself does not match, or it is not JSON. Files written before the checksum are trusted if they parse."""
+        itself is missing or does not match, or it is not JSON."""
         try:
             data = json.loads(self.path.read_bytes().decode())
             problem = None if isinstance(data, dict) else "not a JSON object"
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             data, problem = None, f"not valid JSON: {first_line(e)}"
-        if problem is None and "sha256" in data and data.pop("sha256") != json_digest(data):
+        if problem is None and data.pop("sha256", None) != json_digest(data):
             problem = "it does not match its checksum"
         if problem is None:
             return data
@@ -291,8 +293,8 @@ def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int
 
 
 def machine_costs(machine: dict) -> PassCosts:
-    """results.json's "machine" as the tuners and predictions use it (a file without the raw medians or the
-    spread, from before they were recorded: its v is fitted monotone now and its spread is unknown)."""
+    """results.json's "machine" as the tuners and predictions use it. A file with only the fitted v (the scaling
+    curve's early runs, read again when launch/scaling.py rebuilds its report) gets v as its raw medians and no spread."""
     raw = machine.get("v_raw") or machine.get("v") or {"1": 1.0}
     return PassCosts(machine.get("target_step_s", 0.0), {int(n): x for n, x in raw.items()},
                      {int(n): x for n, x in machine.get("v_spread", {}).items()}, machine.get("target_step_spread", 0.0),

@@ -14,7 +14,7 @@ from conftest import tiny_llama_config
 from transformers import LlamaForCausalLM
 
 import specdrafter.eval.job as eval_job
-from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError, json_digest
 from specdrafter.core.recipe import RecipeError, load_recipe
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.eval.job import answer_accuracy, final_number, run_eval
@@ -200,7 +200,7 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
 
     old = json.loads((once / "results.json").read_text())
     del old["sha256"], old["settings"]["repeats"]  # as written before eval.repeats existed
-    (once / "results.json").write_text(json.dumps(old))
+    (once / "results.json").write_text(json.dumps({**old, "sha256": json_digest(old)}))
     run_eval(eval_recipe(tiny_target, run_dir, once, *args))  # resumes: nothing to do
     assert json.loads((once / "results.json").read_text())["cells"] == list(single.values())  # not re-measured
     with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):

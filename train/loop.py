@@ -88,10 +88,10 @@ def release_shm_segment() -> None:
     """Unlink this rank's DeepSpeed CPU all-reduce segment once every rank has mapped it.
 
     DeepSpeed's CPU backend (ranks all on one machine) puts a 67 MB segment per rank in /dev/shm and never
-    unlinks it, so each run, finished or killed, leaves its segments behind in RAM-backed tmpfs (here 200 of
-    them, 14 GB, had piled up and helped the kernel OOM-kill a training run). Every rank maps all peers'
-    segments before `init_distributed` returns, so after a barrier the names can go; the mappings stay valid
-    and the memory is freed when the last rank exits, however it exits."""
+    unlinks it, so each run, finished or killed, would leave its segments behind in RAM-backed tmpfs, run after run,
+    until the machine runs out of memory. Every rank maps all peers' segments before `init_distributed` returns, so
+    after a barrier the names can go; the mappings stay valid and the memory is freed when the last rank exits,
+    however it exits."""
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank())
     segment = Path("/dev/shm") / name
@@ -156,7 +156,7 @@ def acceptance_sums(pred: Prediction, temperature: float) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- checkpoints
 def resume_checkpoint(root: Path, rank: int, world: int) -> Optional[Path]:
     """The newest complete checkpoint whose files match the checksums it recorded. Rank 0 moves a damaged newer one
-    aside (<name>.damaged), one line each; checkpoints written before checksums were recorded resume as they are."""
+    aside (<name>.damaged), one line each; one without checksums resumes unverified (core/io.py: checkpoint_problem)."""
     if rank == 0:
         for line in discard_damaged_checkpoints(root):
             log.warning(line)
@@ -182,7 +182,9 @@ def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
     def flat(c):
         return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
     a, b, defaults = flat(saved), flat(cfg), flat(OmegaConf.structured(Recipe))
-    added = {k for k in set(b) - set(a) if b[k] == defaults.get(k)}  # keys a later version added, left at their default
+    # A key the saved recipe lacks, at its default, is no change: the scaling curve's early runs (docs/results/scaling.md)
+    # resume under the schema of every later key whenever launch/scaling.py rebuilds its report.
+    added = {k for k in set(b) - set(a) if b[k] == defaults.get(k)}
     keys = sorted(k for k in (set(a) | set(b)) - added if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_CHANGES))
     return [f"{k} ({a.get(k)!r} → {b.get(k)!r})" for k in keys]
 

@@ -299,7 +299,7 @@ def _data_section(path: Path, output_dir: Optional[str]) -> Optional[DictConfig]
         if output_dir is not None and (raw.get("output_dir") != output_dir or "data" not in raw):
             return None
         return OmegaConf.merge(OmegaConf.structured(Recipe), {"data": raw.get("data", {})})
-    except Exception:  # a damaged or older recipe: no estimate from it
+    except Exception:  # a recipe that does not merge into the schema: no estimate from it
         return None
 
 
