@@ -56,8 +56,8 @@ class ChosenDrafter:
 
 def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
     """The drafter a decoding job uses: drafter.path when set; else the newest checkpoint of drafter.run once it holds
-    one trained for target.model (its kind replaces drafter.kind); else drafter.kind, saying why and what trains
-    the one drafter.run names."""
+    one trained for target.model that decodes what the recipe asks (its kind replaces drafter.kind); else
+    drafter.kind, saying why and what trains the one drafter.run names."""
     dr = cfg.drafter
     if dr.path or not dr.run:
         return ChosenDrafter(cfg, f"drafter: {_described(cfg)}")
@@ -67,6 +67,11 @@ def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
         return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: {why}{_trainer_of(dr.run)}")
     chosen = cfg.copy()
     chosen.drafter.kind, chosen.drafter.path = DrafterKind(newest.state["drafter"]), str(newest.drafter)
+    try:
+        kind_of(chosen).check_recipe(chosen)  # e.g. a static tree, which an EAGLE-3 head does not draft
+    except SpecdrafterError as why:
+        return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: the newest checkpoint of drafter.run {dr.run} holds "
+                                  f"{kind_of(chosen).description}, which cannot decode this recipe ({why})")
     return ChosenDrafter(chosen, f"drafter: {_described(chosen)} (the newest checkpoint of drafter.run {dr.run})")
 
 

@@ -216,6 +216,10 @@ def test_the_demo_decodes_with_the_run_once_it_holds_a_drafter_and_says_which(tm
         trained = decode(cfg)
     assert caplog.messages[0] == f"drafter: an EAGLE-3 head, {folder / 'drafter'} (the newest checkpoint of drafter.run {run})"
     assert trained.result.tokens == alone.result.tokens and len(set(alone.result.tokens)) > 2
+    cfg.inference.tree = [[0], [1], [0, 0]]  # a static tree: an EAGLE-3 head drafts dynamic ones
+    assert resolve_drafter(cfg).line.startswith(f"drafter: a self-draft (drafter.kind=self_draft): the newest checkpoint of "
+                                                f"drafter.run {run} holds an EAGLE-3 head, which cannot decode this recipe")
+    cfg.inference.tree = []
 
     (folder / "recipe.yaml").write_text(f"output_dir: {run}\ntarget:\n  model: another-target\n")
     write_checkpoint_state(folder, {"step": 4, "tokens": 100, "drafter": "eagle3", "metrics": {}})
