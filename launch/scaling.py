@@ -11,6 +11,7 @@ import sys
 
 from specdrafter.core.cli import cli
 from specdrafter.eval.scaling import run_scaling
+from specdrafter.train.plan import check_against_target
 
 
 def main(cfg):
@@ -19,4 +20,4 @@ def main(cfg):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli(main)
+    cli(main, check=check_against_target)  # before the first data job: what would stop its trainings

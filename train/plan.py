@@ -388,10 +388,15 @@ def _node_lines(p: Plan, cfg: DictConfig) -> List[str]:
 # ---------------------------------------------------------------------------------------------- launchers
 def check_training_recipe(cfg: DictConfig) -> None:
     """What a training run checks before anything heavy loads (the launchers also with --print-config): a data job
-    to train on, and the recipe checks that need only the target's config.json (`recipe_checks`: train.max_length,
-    the kind's layers and vocabulary). The first failure is one RecipeError line."""
+    to train on, and `check_against_target`."""
     if not cfg.train.data_dir:
         raise RecipeError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
+    check_against_target(cfg)
+
+
+def check_against_target(cfg: DictConfig) -> None:
+    """The recipe checks that need only the target's config.json (`recipe_checks`: train.max_length, the kind's
+    layers and vocabulary), before any weights load; the first failure is one RecipeError line."""
     problems = [line for ok, line in recipe_checks(cfg, Shapes.of(target_config(cfg.target.model)), Setup()) if not ok]
     if problems:
         raise RecipeError(problems[0])
