@@ -8,7 +8,7 @@ Where each check lives: a constraint on one key's value is a `Rule` beside the k
 (`checked(default, *rules)`), all checked in one pass (`_check_rules`); a rule across keys is in its section's
 function (`_check_data`, `_check_train`, `_check_inference`, `_check_eval`); a rule that depends on the drafter
 kind is the kind's (kinds/: `Kind.check_recipe`); one that needs the target's config.json runs before any weights
-load, in the jobs that train (train/plan.py: `check_training_recipe`).
+load, in the jobs that train (train/plan.py: `check_against_target`).
 """
 
 from __future__ import annotations
