@@ -260,8 +260,9 @@ class TrainConfig:
     data_dir: Optional[str] = None  # the data job's output_dir (shards/ + hidden/)
     features: FeatureMode = FeatureMode.online
     # Distillation objective: weights over tv, fkl, rkl, jsd, soft_ce (docs/algorithms.md §Objectives), at
-    # `temperature` (match the temperature the drafter will serve at). Empty = {soft_ce: 1}. Entries merge across
-    # the recipe and overrides, so switch with e.g. train.objective.soft_ce=0 train.objective.tv=1.
+    # `temperature` (match the temperature the drafter will serve at). Empty = {soft_ce: 1}
+    # (train/objectives.py:DEFAULT_WEIGHTS). Entries merge across the recipe and overrides, so switch with e.g.
+    # train.objective.soft_ce=0 train.objective.tv=1.
     objective: Dict[str, float] = checked({}, NON_NEGATIVE, Rule(lambda v: not v or any(w != 0 for w in v.values()),
                                                                  why=lambda v: "needs at least one non-zero weight",
                                                                  whole=True))
@@ -371,8 +372,9 @@ class EvalConfig:
     k_sweep: List[int] = checked([1, 2, 3, 4, 6], AT_LEAST_ONE)
     asd_sweep: List[List[float]] = checked([[4, 0.25, 1], [16, 0.5, 2]], ASD_SETTINGS)  # [budget, gate, max_mismatches]
     # Decode each cell this many times, each time with target-only decoding of every prompt right beside the
-    # cell's: its speedup is the median of those side-by-side ratios and its spread their range. 1: one run per
-    # cell against the set's one baseline, drift-corrected (the spread is then how far the machine's step time moved).
+    # cell's: speedup_median is the median of those side-by-side ratios, speedup_range their range. 1: one run per
+    # cell against the set's one baseline: speedup_drift_corrected, with speedup_drift_spread (how far the machine's
+    # step time moved).
     repeats: int = checked(1, AT_LEAST_ONE)
     output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
     wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)
@@ -626,7 +628,9 @@ def _check_inference(cfg: DictConfig) -> None:
                           "inference.dynamic_tree.total_tokens=0")
 
 
-OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")  # train.objective keys; implemented in train/objectives.py
+# train.objective keys, checked here before anything under train/ loads; train/objectives.py:DIVERGENCES implements
+# each (tests/test_objectives.py pins the two to the same names).
+OBJECTIVES = ("tv", "fkl", "rkl", "jsd", "soft_ce")
 
 
 def _check_train(cfg: DictConfig) -> None:

@@ -625,3 +625,15 @@ def load_shard(folder: Path) -> datasets.Dataset:
             problem = f"unreadable ({first_line(e)})"
     raise SpecdrafterError(f"shard {str(folder)!r} is damaged: {problem}; rerun the data job (launch/generate_data.py) "
                            "to regenerate it")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m specdrafter.data.regenerate RECIPE.yaml [key=value ...] [--print-config]` (launch/generate_data.py)."""
+    from specdrafter.core.cli import cli  # not at the top: core/cli.py → kinds/ → train/ imports this module
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli(generate_dataset, argv)
+
+
+if __name__ == "__main__":
+    main()

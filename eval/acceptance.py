@@ -6,7 +6,7 @@ is flagged. The cost measurements the formula needs (v(n)) live in inference/aut
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 from specdrafter.inference.autotune import pass_cost
 from specdrafter.inference.decode import CycleStats, alpha_per_token
@@ -128,3 +128,70 @@ def spread_label(speedup: Optional[float], spread: Optional[float]) -> str:
 def range_of(values: Sequence[float]) -> Optional[float]:
     """max − min: the spread of a speedup over repeats (None for fewer than two: unknown)."""
     return max(values) - min(values) if len(values) > 1 else None
+
+
+@dataclass(frozen=True)
+class DriftCorrectedSpeedup:
+    """An eval cell's speedup with eval.repeats = 1: the cell decoded once, its baseline once, minutes apart, and the
+    ratio corrected for the machine's drift between them (docs/algorithms.md §Measured speedup). Values as
+    results.json stores them (rounded to 3 places)."""
+
+    drift_corrected: float  # tok/s ÷ (baseline tok/s × baseline step ÷ cell step)
+    drift_spread: Optional[float]  # drift_corrected × (the cell's + the baseline's target-step spread); None: unknown
+    uncorrected: Optional[float]  # tok/s ÷ baseline tok/s as measured
+
+    @property
+    def value(self) -> float:
+        return self.drift_corrected
+
+    @property
+    def spread(self) -> Optional[float]:
+        return self.drift_spread
+
+    def row(self) -> dict:
+        return {"speedup_drift_corrected": self.drift_corrected, "speedup_drift_spread": self.drift_spread,
+                "speedup_uncorrected": self.uncorrected}
+
+
+@dataclass(frozen=True)
+class SideBySideSpeedup:
+    """An eval cell's speedup with eval.repeats = R > 1: R rounds, each decoding target-only beside the cell prompt by
+    prompt, so that each round's ratio sees one machine speed. Values as results.json stores them (rounded)."""
+
+    median: float  # the median (lower middle) of the rounds' tok/s ÷ baseline tok/s
+    range: Optional[float]  # their max − min
+    rounds: List[float]
+    baseline_tokens_per_s: Optional[float]  # the median round's target-only tok/s
+
+    @property
+    def value(self) -> float:
+        return self.median
+
+    @property
+    def spread(self) -> Optional[float]:
+        return self.range
+
+    def row(self) -> dict:
+        return {"speedup_median": self.median, "speedup_range": self.range, "speedup_rounds": self.rounds,
+                "baseline_tokens_per_s": self.baseline_tokens_per_s}
+
+
+Speedup = Union[DriftCorrectedSpeedup, SideBySideSpeedup]
+
+
+def speedup_of(row: dict) -> Optional[Speedup]:
+    """The measured speedup of a results.json cell (or of its summary in scaling.json), None if it has none. Rows
+    written before the two kinds had their own keys — the runs behind docs/results/scaling.json — hold either as
+    "speedup" and "speedup_spread", side-by-side ones with their "speedup_rounds" beside."""
+    if "speedup_median" in row:
+        return SideBySideSpeedup(row["speedup_median"], row.get("speedup_range"), row.get("speedup_rounds", []),
+                                 row.get("baseline_tokens_per_s"))
+    if "speedup_drift_corrected" in row:
+        return DriftCorrectedSpeedup(row["speedup_drift_corrected"], row.get("speedup_drift_spread"),
+                                     row.get("speedup_uncorrected"))
+    if row.get("speedup") is None:
+        return None
+    if "speedup_rounds" in row:
+        return SideBySideSpeedup(row["speedup"], row.get("speedup_spread"), row["speedup_rounds"],
+                                 row.get("baseline_tokens_per_s"))
+    return DriftCorrectedSpeedup(row["speedup"], row.get("speedup_spread"), row.get("speedup_uncorrected"))

@@ -318,9 +318,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
-    for kind in KINDS.values():
-        if kind.needs_folder:  # --draft-model, --eagle3, --medusa, ...: that kind's drafter folder
-            parser.add_argument(f"--{kind.name.replace('_', '-')}", dest=kind.name, metavar="PATH")
+    for k in KINDS.values():
+        if k.needs_folder:  # --draft-model, --eagle3, --medusa, ...: that kind's drafter folder
+            parser.add_argument(f"--{k.name.replace('_', '-')}", dest=k.name, metavar="PATH")
     parser.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     parser.add_argument("--prompts", type=int, default=2, help="per set")
     parser.add_argument("--max-new-tokens", type=int, default=48)

@@ -30,8 +30,9 @@ from specdrafter.data.assets import ensure_smollm2, load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.job import run_eval
 from specdrafter.inference.run import decode_file
+from specdrafter.recipes import RECIPES_DIR
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-generate.yaml"
+RECIPE = RECIPES_DIR / "smollm2-135m-generate.yaml"
 K = 4
 
 

@@ -34,9 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from specdrafter.kinds import KINDS
+from specdrafter.recipes import RECIPES_DIR
 
 # One run per kind with a SmolLM2 recipe, shrunk to what this CPU trains in seconds (kinds/: plan_bench_overrides)
-RECIPES = {k.name: f"recipes/{k.recipe}" for k in KINDS.values() if k.recipe}
+RECIPES = {k.name: str(RECIPES_DIR / k.recipe) for k in KINDS.values() if k.recipe}
 OVERRIDES = {k.name: list(k.plan_bench_overrides) for k in KINDS.values() if k.recipe}
 DEFAULT_RUNS = [f"{name}:{zero}:{ranks}" for name in RECIPES for zero, ranks in ((0, 1), (0, 2), (2, 2))]
 GIB = 2**30

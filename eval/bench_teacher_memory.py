@@ -26,15 +26,17 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
 
     from specdrafter.core.recipe import load_recipe
     from specdrafter.kinds import build_drafter, kind_of
+    from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch
     from specdrafter.train.drafters import run_target
+    from specdrafter.train.objectives import Objective
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                          tie_word_embeddings=False)
     target = LlamaForCausalLM(config).eval().requires_grad_(False)
-    cfg = load_recipe("recipes/llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
+    cfg = load_recipe(RECIPES_DIR / "llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
     tokens_seen = type("Counts", (), {"target_tokens": staticmethod(lambda: [torch.randint(0, V, (200_000,))])})
     drafter = build_drafter(cfg, target, tokens_seen)
     layers = kind_of(cfg).feature_layers(cfg, config.num_hidden_layers)
@@ -45,7 +47,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     batch = Batch(input_ids, loss_mask, torch.ones(1, tokens, dtype=torch.long), features)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     teacher = run_target(target, batch, layers, drafter.teacher_ids if mode == "draft_vocab" else None)
-    loss = sum(p.loss(cfg.train)[0] for p in drafter.predictions(drafter.module, batch, teacher))
+    loss = sum(p.loss(Objective.of(cfg.train))[0] for p in drafter.predictions(drafter.module, batch, teacher))
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "loss": round(float(loss), 4), "peak_rise_mib": round((peak - before) / 1024, 1),

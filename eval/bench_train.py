@@ -6,10 +6,10 @@ teacher rows, no autocast, shuffled batches), on the same conversations: `offlin
 
     python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
 
-With `--ranks 1 2` it instead runs the real launcher, `deepspeed --num_accelerators N launch/train_<kind>.py`
-(DS_ACCELERATOR=cpu here; the machine's cores split evenly between the ranks), for `--steps` optimizer steps at
-each N, and reports the training tokens/s of the last step's record (evaluation and checkpointing come after it),
-scaling over 1 rank, and the wall time of each launch:
+With `--ranks 1 2` it instead runs the real launcher, `deepspeed --num_accelerators N --module
+specdrafter.train.command` (what launch/train_<kind>.py runs; DS_ACCELERATOR=cpu here; the machine's cores split
+evenly between the ranks), for `--steps` optimizer steps at each N, and reports the training tokens/s of the last
+step's record (evaluation and checkpointing come after it), scaling over 1 rank, and the wall time of each launch:
 
     python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml --ranks 1 2 --steps 12 [--out runs/bench-train]
 """
@@ -35,6 +35,7 @@ from specdrafter.data.assets import load_target
 from specdrafter.kinds import build_drafter, kind_of
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import run_target
+from specdrafter.train.objectives import Objective
 
 
 def main(argv=None):
@@ -65,6 +66,7 @@ def main(argv=None):
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
     optimizer = torch.optim.AdamW([p for p in drafter.module.parameters() if p.requires_grad], lr=1e-6)
+    objective = Objective.of(t)
     mb = t.micro_batch_size
     chosen = offline.epoch_order(0)[: args.batches * mb]  # one set of conversations for every arm
     cached = [offline.batch(chosen[i * mb:(i + 1) * mb]) for i in range(args.batches)]  # in shuffled order
@@ -81,7 +83,7 @@ def main(argv=None):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):
             out = run_target(target, batch, layers, teacher_ids, t.temperature)
             predictions = drafter.predictions(drafter.module, batch, out)
-        loss = sum(p.loss(t)[0] for p in predictions)
+        loss = sum(p.loss(objective)[0] for p in predictions)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -116,17 +118,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def training_launcher(cfg) -> str:
-    kind = kind_of(cfg)
-    if not kind.trainable:
-        raise SpecdrafterError(f"recipe key 'drafter.kind': {kind.name} is not trainable")
-    return kind.launcher
-
-
 def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dict:
     """Training tokens/s of the real DeepSpeed launch at each world size, one launch after another."""
     cfg = load_recipe(recipe, overrides)  # checks the recipe and the overrides before any launch
-    launcher = Path(__file__).resolve().parents[1] / "launch" / training_launcher(cfg)
+    kind = kind_of(cfg)
+    if not kind.trainable:
+        raise SpecdrafterError(f"recipe key 'drafter.kind': {kind.name} is not trainable")
     cores = os.cpu_count() or 1
     runs = {}
     for n in ranks:
@@ -136,8 +133,8 @@ def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dic
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, cores // n)))
         deepspeed = Path(sys.executable).with_name("deepspeed")  # the launcher of this interpreter's environment
         cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--num_accelerators", str(n),
-               "--master_port", str(_free_port()), str(launcher), recipe, *overrides, f"output_dir={run_dir}",
-               f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.save_every={steps}",
+               "--master_port", str(_free_port()), "--module", "specdrafter.train.command", recipe, *overrides,
+               f"output_dir={run_dir}", f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.save_every={steps}",
                "train.decode_check_every=0", "train.wandb.mode=disabled"]
         start = time.perf_counter()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -21,16 +21,20 @@ results.json (schema 1; "sha256": of the rest of the file, checked on a rerun �
                 "prompts", "tokens", "target_passes", "seconds", "tokens_per_s",
                 "target_step_s",  one target step measured around the cell (the machine's speed at the time)
                 "target_step_spread",   interquartile range ÷ median of those step timings (how far the speed moved)
-                "speedup",        over the baseline, drift-corrected: tok/s ÷ (baseline tok/s × baseline step ÷ cell step)
-                "speedup_spread", speedup × (the cell's + the baseline's target_step_spread); the report flags a cell
-                                  whose |speedup − 1| is smaller ("⚠ noisy")
-                "speedup_uncorrected",   tok/s ÷ baseline tok/s as measured (cells run minutes apart)
-                                  With eval.repeats = R > 1 the cell is decoded R times, each time with target-only
-                                  decoding of every prompt right beside the cell's (alternately before and after):
-                                  "speedup_rounds" = the R ratios tok/s ÷ baseline tok/s,
-                                  "speedup" (= "speedup_uncorrected") their median, "speedup_spread" their range
-                                  (max − min), and the rest of the row is the median round's (with its
-                                  "baseline_tokens_per_s")
+                the speedup over the baseline (eval/acceptance.py), one of two kinds; the report flags a cell whose
+                |speedup − 1| is smaller than its spread ("⚠ noisy"):
+                  eval.repeats = 1, the cell and its baseline decoded once each, minutes apart:
+                "speedup_drift_corrected",   tok/s ÷ (baseline tok/s × baseline step ÷ cell step)
+                "speedup_drift_spread",      speedup_drift_corrected × (the cell's + the baseline's target_step_spread)
+                "speedup_uncorrected",       tok/s ÷ baseline tok/s as measured
+                  eval.repeats = R > 1, the cell decoded R times, each time with target-only decoding of every
+                  prompt right beside the cell's (alternately before and after); the rest of the row is the
+                  median round's:
+                "speedup_rounds",   the R ratios tok/s ÷ baseline tok/s
+                "speedup_median",   their median (the lower middle one for an even R)
+                "speedup_range",    their max − min
+                "baseline_tokens_per_s",   the median round's target-only tok/s
+                  (rows written before the two kinds had their own keys hold either as "speedup", "speedup_spread")
                 "tau",            tokens per target pass, bonus included
                 "alpha",          accepted drafts / draft positions tried
                 "per_position",   P(draft j accepted | drafts 1..j−1 accepted), j = 1..k (trees: by depth)
@@ -52,16 +56,18 @@ import json
 import logging
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
+from specdrafter.core.cli import cli
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
@@ -73,7 +79,14 @@ from specdrafter.core.io import (
 from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.eval.acceptance import cycle_metrics, range_of
+from specdrafter.eval.acceptance import (
+    DriftCorrectedSpeedup,
+    SideBySideSpeedup,
+    Speedup,
+    cycle_metrics,
+    range_of,
+    speedup_of,
+)
 from specdrafter.eval.report import write_report
 from specdrafter.inference.autotune import (
     BlockLengthTuner,
@@ -143,6 +156,42 @@ def settings(cfg: DictConfig) -> dict:
 # Knobs a results.json may lack, at the value it was made with: the scaling curve's early runs (docs/results/scaling.md)
 # are evaluated again, cells skipped, whenever launch/scaling.py rebuilds its report.
 SETTINGS_ADDED_LATER = {"repeats": 1}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One planned cell: what to decode (its results.json row begins with `row()`)."""
+
+    checkpoint: Checkpoint
+    set: str  # the prompt set's name
+    temperature: float
+    verifier: str  # chain, asd, tree or typical
+    k: Union[int, str]  # the block length, or "auto"
+    asd: Optional[ASDSettings] = None  # ASD cells only
+    sweep: bool = False  # a cell of the speedup-vs-k sweep
+
+    @property
+    def id(self) -> str:
+        cell_id = f"{self.checkpoint.name}|{self.set}|T={self.temperature}|{self.verifier}"
+        cell_id += f"|k={self.k}" if self.verifier in ("chain", "asd") else ""
+        if self.asd is not None:
+            cell_id += "|asd=" + ",".join(f"{x:g}" for x in self._asd_values())
+        return cell_id
+
+    @property
+    def baseline_id(self) -> str:
+        """The key of its target-only baseline in results.json's "baselines"."""
+        return f"{self.set}|T={self.temperature}"
+
+    def _asd_values(self) -> Optional[list]:
+        """The ASD setting as results.json stores it: [budget, gate, max_mismatches]."""
+        return None if self.asd is None else [self.asd.budget, self.asd.gate, self.asd.max_mismatches]
+
+    def row(self) -> dict:
+        """The cell's keys of its results.json row (the checkpoint by name and step)."""
+        return {"id": self.id, "checkpoint": self.checkpoint.name, "step": self.checkpoint.step, "set": self.set,
+                "temperature": self.temperature, "verifier": self.verifier, "k": self.k, "asd": self._asd_values(),
+                "sweep": self.sweep}
 
 
 # ------------------------------------------------------------------------------------------------- the job
@@ -223,7 +272,7 @@ def run_eval(cfg: DictConfig) -> Path:
     eos = eos_token_ids(target, tokenizer)
 
     plan = _plan(cfg, checkpoints, list(sets), verifiers)
-    todo = [cell for cell in plan if results.cell(cell["id"]) is None]
+    todo = [cell for cell in plan if results.cell(cell.id) is None]
     log.info(f"evaluation: {len(plan)} cells ({len(plan) - len(todo)} already in {results.path}) → {out}")
     if todo:
         _measure_machine(cfg, results, target, prompts[next(iter(prompts))][0], todo)
@@ -232,27 +281,27 @@ def run_eval(cfg: DictConfig) -> Path:
     bar = tqdm(total=len(todo), desc="eval cells", unit="cell")
     loaded: Dict[str, tuple] = {}
     for cell in todo:
-        base_id = f"{cell['set']}|T={cell['temperature']}"
-        ckpt = cell.pop("_checkpoint")
+        base_id, ckpt = cell.baseline_id, cell.checkpoint
         if ckpt.name not in loaded:
             loaded.clear()  # one checkpoint's proposers in memory at a time
             loaded[ckpt.name] = _proposers(cfg, ckpt, target, verifiers)
         serving, chain, tree = loaded[ckpt.name]
-        context = CellContext(serving, chain, tree, prompts[cell["set"]], eos, tokenizer, 0.0, machine, out)
+        context = CellContext(serving, chain, tree, prompts[cell.set], eos, tokenizer, 0.0, machine, out)
         if e.repeats > 1:
-            measured, base = _side_by_side(cfg, cell, context, target, base_id)
+            measured, base, speedup = _side_by_side(cfg, cell, context, target)
             results.data["baselines"].setdefault(base_id, base)
         else:
             if base_id not in results.data["baselines"]:
-                results.data["baselines"][base_id] = _baseline(target, prompts[cell["set"]], cell["temperature"],
+                results.data["baselines"][base_id] = _baseline(target, prompts[cell.set], cell.temperature,
                                                                e.max_new_tokens, eos, out, base_id, tokenizer)
                 results.save()
             measured = _timed_cell(cfg, cell, context, target)
-            _compare_with_baseline(measured, results.data["baselines"][base_id])
-        measured["answer_accuracy"] = answer_accuracy(out / measured["outputs"], sets[cell["set"]])
+            speedup = _compare_with_baseline(measured, results.data["baselines"][base_id])
+        _add_speedup(measured, speedup)
+        measured["answer_accuracy"] = answer_accuracy(out / measured["outputs"], sets[cell.set])
         results.add(measured)
         bar.update()
-        bar.set_postfix(cell=cell["id"], tau=measured["tau"], alpha=measured["alpha"])
+        bar.set_postfix(cell=cell.id, tau=measured["tau"], alpha=measured["alpha"])
     bar.close()
 
     write_report(results.data, out)
@@ -266,17 +315,18 @@ def closing_line(data: dict, newest: str, out: Path) -> str:
     """The job's last line: the cells, the headline of the newest checkpoint (its first cell: the first set, temperature
     and verifier) and where the report is."""
     first = next((c for c in data["cells"] if c["checkpoint"] == newest and not c["sweep"]), None)
+    speedup = speedup_of(first) if first else None
     headline = (f"; {newest}, {first['set']} T={first['temperature']:g} {first['verifier']}: τ {first['tau']:.2f}, "
-                f"α {first['alpha']:.3f}, speedup {first['speedup']:.2f}×" if first else "")
+                f"α {first['alpha']:.3f}" + (f", speedup {speedup.value:.2f}×" if speedup else "") if first else "")
     n = len(data["cells"])
     return f"evaluation: {n} cell{'s' * (n != 1)}{headline} → {out / 'report.md'}"
 
 
-def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int], todo: List[dict]) -> None:
+def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int], todo: List[Cell]) -> None:
     """v(n) for every pass size a planned cell needs (up to k_max + 1 when a block length is auto-tuned, the tree's
     size and an auto-sized tree's grid), measured once per results.json so that every cell shares one v(n)."""
     e, k = cfg.eval, cfg.inference.k
-    tree_size = _tree_size(cfg) if any(cell["verifier"] in ("tree", "typical") for cell in todo) else 0
+    tree_size = _tree_size(cfg) if any(cell.verifier in ("tree", "typical") for cell in todo) else 0
     auto = k == "auto" or bool(e.k_sweep)  # an auto-tuned cell will run: its tuner needs v(n) up to k_max + 1
     longest = max([0 if k == "auto" else k, *e.k_sweep, cfg.inference.k_max if auto else 0])
     tuner = _tree_tuner(cfg, None) if tree_size else None  # an auto-sized tree: v(n) on the tuner's grid too
@@ -301,7 +351,7 @@ def machine_costs(machine: dict) -> PassCosts:
                      machine.get("v_repeats", 1))
 
 
-def _timed_cell(cfg: DictConfig, cell: dict, context: CellContext, target, beside=None) -> dict:
+def _timed_cell(cfg: DictConfig, cell: Cell, context: CellContext, target, beside=None) -> dict:
     """The cell decoded once, with the target step timed around it: the machine's speed, and how far it moved."""
     before = step_times(target, context.prompts[0])
     measured = _run_cell(cfg, cell, replace(context, step_s=statistics.median(before)), beside)
@@ -311,60 +361,58 @@ def _timed_cell(cfg: DictConfig, cell: dict, context: CellContext, target, besid
     return measured
 
 
-def _side_by_side(cfg: DictConfig, cell: dict, context: CellContext, target, base_id: str) -> tuple:
+def _side_by_side(cfg: DictConfig, cell: Cell, context: CellContext, target) -> Tuple[dict, dict, SideBySideSpeedup]:
     """eval.repeats rounds of the cell, each with target-only decoding of every prompt right beside the cell's
     decoding of it, so that each round's ratio of speeds sees one machine speed. The cell's row is the round with
-    the median ratio (the lower middle one for an even count): its speedup, with the range of the rounds' ratios as
-    its spread. Returns (the row, that round's baseline)."""
+    the median ratio (the lower middle one for an even count). Returns (the row, that round's baseline, the
+    speedup: that median with the range of the rounds' ratios)."""
     rounds = []
     for _ in range(cfg.eval.repeats):
         runs = {}  # prompt i → target-only (new tokens, seconds), decoded beside the cell's prompt i
 
         def beside(i: int) -> None:
-            runs[i] = _target_only(target, context.prompts[i], i, cell["temperature"], cfg.eval.max_new_tokens,
+            runs[i] = _target_only(target, context.prompts[i], i, cell.temperature, cfg.eval.max_new_tokens,
                                    context.eos)
 
         measured = _timed_cell(cfg, cell, context, target, beside)
-        base = _baseline_row([runs[i] for i in sorted(runs)], context.out, base_id, context.tokenizer,
+        base = _baseline_row([runs[i] for i in sorted(runs)], context.out, cell.baseline_id, context.tokenizer,
                              measured["target_step_s"], measured["target_step_spread"])
         rounds.append((measured["tokens_per_s"] / base["tokens_per_s"], measured, base))
     ratios = [ratio for ratio, _, _ in rounds]
     ratio = statistics.median_low(ratios)
     measured, base = next((m, b) for r, m, b in rounds if r == ratio)
-    measured.update(speedup=round(ratio, 3), speedup_uncorrected=round(ratio, 3),
-                    speedup_spread=round(range_of(ratios), 3), speedup_rounds=[round(x, 3) for x in ratios],
-                    baseline_tokens_per_s=base["tokens_per_s"])
-    if measured["predicted_speedup"]:
-        measured["measured_over_predicted"] = round(measured["speedup"] / measured["predicted_speedup"], 3)
-    return measured, base
+    return measured, base, SideBySideSpeedup(round(ratio, 3), round(range_of(ratios), 3), [round(x, 3) for x in ratios],
+                                             base["tokens_per_s"])
 
 
-def _compare_with_baseline(cell: dict, base: dict) -> None:
-    """The cell's speedups over its baseline, and the spread of the drift-corrected one."""
-    cell["speedup_uncorrected"] = round(cell["tokens_per_s"] / base["tokens_per_s"], 3)
+def _compare_with_baseline(row: dict, base: dict) -> DriftCorrectedSpeedup:
+    """A measured cell's speedups over its baseline, and the spread of the drift-corrected one."""
+    uncorrected = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
     # the baseline's speed had the machine run as fast as during this cell (uniform drift: speeds ∝ 1 / step)
-    drift = base["target_step_s"] / cell["target_step_s"] if base.get("target_step_s") else 1.0
-    cell["speedup"] = round(cell["tokens_per_s"] / (base["tokens_per_s"] * drift), 3)
+    drift = base["target_step_s"] / row["target_step_s"] if base.get("target_step_s") else 1.0
+    corrected = round(row["tokens_per_s"] / (base["tokens_per_s"] * drift), 3)
     # how far the machine's speed moved around the cell and around the baseline bounds what the ratio can tell
-    spreads = [cell.get("target_step_spread"), base.get("target_step_spread")]
-    cell["speedup_spread"] = None if None in spreads else round(cell["speedup"] * sum(spreads), 3)
-    if cell["predicted_speedup"]:
-        cell["measured_over_predicted"] = round(cell["speedup"] / cell["predicted_speedup"], 3)
+    spreads = [row.get("target_step_spread"), base.get("target_step_spread")]
+    return DriftCorrectedSpeedup(corrected, None if None in spreads else round(corrected * sum(spreads), 3), uncorrected)
 
 
-def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verifiers: List[str]) -> List[dict]:
+def _add_speedup(row: dict, speedup: Speedup) -> None:
+    """A measured cell's row gets its speedup's fields, and the speedup over the formula's prediction."""
+    row.update(speedup.row())
+    if row["predicted_speedup"]:
+        row["measured_over_predicted"] = round(speedup.value / row["predicted_speedup"], 3)
+
+
+def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verifiers: List[str]) -> List[Cell]:
     """Every cell to evaluate, in order: each checkpoint × set × temperature × verifier; then, on the newest
     checkpoint, the speedup-vs-k sweep (first set, T = 0) and the ASD audit (T = 0: strict vs each ASD setting)."""
     e, k, inf = cfg.eval, cfg.inference.k, cfg.inference
     plan = []
 
     def add(ckpt, name, temperature, verifier, k=k, asd=None, sweep=False):
-        cell_id = f"{ckpt.name}|{name}|T={temperature}|{verifier}" + (f"|k={k}" if verifier in ("chain", "asd") else "")
-        if asd:
-            cell_id += "|asd=" + ",".join(f"{x:g}" for x in asd)
-        if all(c["id"] != cell_id for c in plan):
-            plan.append({"id": cell_id, "_checkpoint": ckpt, "checkpoint": ckpt.name, "step": ckpt.step, "set": name,
-                         "temperature": float(temperature), "verifier": verifier, "k": k, "asd": asd, "sweep": sweep})
+        cell = Cell(ckpt, name, float(temperature), verifier, k, asd, sweep)
+        if all(c.id != cell.id for c in plan):
+            plan.append(cell)
 
     for ckpt in checkpoints:
         for name in sets:
@@ -380,7 +428,7 @@ def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verif
         for name in sets:
             add(newest, name, 0.0, "chain")  # the strict reference
             for setting in [[a.budget, a.gate, a.max_mismatches], *e.asd_sweep]:
-                add(newest, name, 0.0, "asd", asd=[float(setting[0]), float(setting[1]), int(setting[2])])
+                add(newest, name, 0.0, "asd", asd=ASDSettings(float(setting[0]), float(setting[1]), int(setting[2])))
     return plan
 
 
@@ -432,18 +480,17 @@ def _baseline_row(runs: List[tuple], out: Path, base_id: str, tokenizer, step_s:
             "target_step_s": round(step_s, 5), "target_step_spread": round(step_spread, 4)}
 
 
-def _run_cell(cfg: DictConfig, cell: dict, context: CellContext, beside: Optional[Callable[[int], None]] = None) -> dict:
+def _run_cell(cfg: DictConfig, cell: Cell, context: CellContext, beside: Optional[Callable[[int], None]] = None) -> dict:
     """Decode every prompt of the planned `cell` through the loop and measure it: the cell's row of results.json
     (without the comparison with its baseline, which `run_eval` adds). `beside(i)`, if given, runs next to prompt i,
     outside the timing: before it for even i, after it for odd i, so that neither side always goes first."""
-    temperature, verifier, prompts = cell["temperature"], cell["verifier"], context.prompts
+    temperature, verifier, prompts = cell.temperature, cell.verifier, context.prompts
     # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
     costs = replace(context.machine, step_s=context.step_s)
-    block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if cell["k"] == "auto" else cell["k"]
+    block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if cell.k == "auto" else cell.k
     if verifier == "tree":  # a fresh tree-size tuner per cell (acceptance differs with T); None for a static tree
         context.tree.tuner = _tree_tuner(cfg, costs)
     params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
-    asd = ASDSettings(*cell["asd"]) if cell["asd"] else None
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
     for i, prompt in enumerate(prompts):
         if beside and i % 2 == 0:
@@ -458,7 +505,7 @@ def _run_cell(cfg: DictConfig, cell: dict, context: CellContext, beside: Optiona
                                           context.eos, generator)
         else:
             r = speculative_generate(context.target, context.chain, prompt, cfg.eval.max_new_tokens, params, block,
-                                     context.eos, asd, generator, record_tv=verifier == "chain")
+                                     context.eos, cell.asd, generator, record_tv=verifier == "chain")
         seconds += time.perf_counter() - start - sum(c.tv_s for c in r.cycles)  # the D_TV audit is not decoding time
         if beside and i % 2 == 1:
             beside(i)
@@ -469,11 +516,11 @@ def _run_cell(cfg: DictConfig, cell: dict, context: CellContext, beside: Optiona
     chain = verifier in ("chain", "asd")
     metrics = cycle_metrics(cycles, tokens, context.step_s, context.machine.v, chain).rounded()
     del metrics["verifier_per_token_vs_target_step"]  # the decode benchmark's column, not results.json's
-    name = f"outputs/{_slug(cell['id'])}.jsonl"
+    name = f"outputs/{_slug(cell.id)}.jsonl"
     atomic_write_text(context.out / name, "".join(json.dumps(r) + "\n" for r in rows))
-    return {**cell, "tree_size": None if chain else _tree_size(cfg), "prompts": len(prompts), **metrics,
+    return {**cell.row(), "tree_size": None if chain else _tree_size(cfg), "prompts": len(prompts), **metrics,
             "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 3), "measured_over_predicted": None,
-            "asd_regret": round(regret / len(prompts), 4) if asd else None, "outputs": name}
+            "asd_regret": round(regret / len(prompts), 4) if cell.asd is not None else None, "outputs": name}
 
 
 def final_number(text: str) -> Optional[str]:
@@ -529,8 +576,21 @@ def _log_wandb(cfg: DictConfig, data: dict, out: Path) -> None:
     w = cfg.train.wandb
     run = wandb.init(project=w.project, name=f"{w.name or Path(cfg.output_dir).name}-eval", mode=w.mode.value,
                      dir=str(out), job_type="eval", config={"eval": OmegaConf.to_container(cfg.eval, resolve=True)})
-    columns = ["id", "step", "set", "temperature", "verifier", "k", "tau", "alpha", "tokens_per_s", "speedup",
+    speedup = "speedup_median" if cfg.eval.repeats > 1 else "speedup_drift_corrected"
+    columns = ["id", "step", "set", "temperature", "verifier", "k", "tau", "alpha", "tokens_per_s", speedup,
                "predicted_speedup", "alpha_tv_gap"]
     run.log({"cells": wandb.Table(columns=columns, data=[[c.get(k) for k in columns] for c in data["cells"]]),
              **{f"plots/{p.stem}": wandb.Image(str(p)) for p in sorted(out.glob("*.png"))}})
     run.finish()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m specdrafter.eval.job RECIPE.yaml checkpoint=X [eval.*=...]` (launch/eval_acceptance.py);
+    `checkpoint=X` is short for eval.checkpoint=X."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    cli(run_eval, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import matplotlib
 
@@ -16,7 +16,14 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from specdrafter.core.io import atomic_write_text  # noqa: E402
-from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, is_noisy, predicted_speedup, spread_label  # noqa: E402
+from specdrafter.eval.acceptance import (  # noqa: E402
+    NOISY,
+    NOISY_LEGEND,
+    is_noisy,
+    predicted_speedup,
+    speedup_of,
+    spread_label,
+)
 
 MIN_SAMPLES = 5  # fewest cycles behind a point of the acceptance-by-position plot
 
@@ -33,19 +40,23 @@ def write_report(data: dict, out: Path) -> Path:
     if repeats > 1:
         how = (f"Speedups are over target-only HF `generate` on the same prompts: each cell was decoded {repeats} times, "
                "each time with target-only decoding of every prompt right beside the cell's (alternately before and "
-               "after), and its speedup is the median of those side-by-side ratios of tok/s (`uncorrected` is the "
-               "same); `spread` = their range (max − min). The cell's other columns are from the median round.")
+               "after). `speedup (median)` = the median of those side-by-side ratios of tok/s (results.json: "
+               "`speedup_median`), `range` = their max − min (`speedup_range`). The cell's other columns are from the "
+               "median round.")
+        speedup_columns = [("speedup (median)", _speedup), ("range", _spread)]
     else:
-        how = ("Speedups are over target-only HF `generate` on the same prompts, corrected for the machine's drift "
-               "between the baseline and each cell (a target step is timed around both: tok/s ÷ (baseline tok/s × "
-               "baseline step ÷ cell step)); `uncorrected` is the plain ratio. `spread` = speedup × (interquartile "
+        how = ("Speedups are over target-only HF `generate` on the same prompts. `speedup (drift-corrected)` "
+               "(results.json: `speedup_drift_corrected`) corrects for the machine's drift between the baseline and "
+               "each cell (a target step is timed around both: tok/s ÷ (baseline tok/s × baseline step ÷ cell step)); "
+               "`uncorrected` is the plain ratio. `drift spread` (`speedup_drift_spread`) = speedup × (interquartile "
                "range ÷ median of the target-step timings around the cell + around its baseline): how far the "
                "machine's speed moved while they ran.")
+        speedup_columns = [("speedup (drift-corrected)", _speedup), ("drift spread", _spread)]
+    uncorrected = [("uncorrected", "speedup_uncorrected")] if repeats == 1 else []
     lines += [how, "", NOISY_LEGEND, ""]
     lines += [f"## Checkpoint {newest}", "", _table(main, [
         ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", _shape), ("α", "alpha"),
-        ("τ", "tau"), ("tok/s", "tokens_per_s"), ("speedup", "speedup"), ("spread", _spread),
-        ("uncorrected", "speedup_uncorrected"),
+        ("τ", "tau"), ("tok/s", "tokens_per_s"), *speedup_columns, *uncorrected,
         ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"),
         ("α − (1 − D_TV)", "alpha_tv_gap"),
         ("c", "c"), ("best k", "best_k"), ("GSM8K acc.", "answer_accuracy")]), ""]
@@ -56,7 +67,7 @@ def write_report(data: dict, out: Path) -> Path:
     if len({c["checkpoint"] for c in steps}) > 1:
         lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
             ("checkpoint", "checkpoint"), ("step", "step"), ("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
-            ("α", "alpha"), ("τ", "tau"), ("speedup", "speedup"), ("spread", _spread)]), ""]
+            ("α", "alpha"), ("τ", "tau"), *speedup_columns]), ""]
     sweep = [c for c in cells if c["sweep"]]
     if sweep:  # the auto cell is planned once: as a main cell when inference.k is auto, so fetch it from there
         ref = sweep[0]
@@ -65,8 +76,8 @@ def write_report(data: dict, out: Path) -> Path:
     sweep = sorted(sweep, key=lambda c: (c["k"] == "auto", c["k"] if c["k"] != "auto" else 0))
     if sweep:
         lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", _table(sweep, [
-            ("k", _shape), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), ("measured speedup", "speedup"),
-            ("spread", _spread), ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
+            ("k", _shape), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), *speedup_columns,
+            ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
     audit = asd_audit(data, out)
     if audit:
         lines += ["## ASD audit (T = 0, strict greedy vs approximate speculative decoding)", "", _table(audit, [
@@ -135,9 +146,15 @@ def machine_line(m: dict) -> str:
     return f"{step} on this machine; v(n){fit} = " + ", ".join(one(n, x) for n, x in m.get("v", {}).items())
 
 
+def _speedup(c: dict) -> Optional[float]:
+    speedup = speedup_of(c)
+    return speedup.value if speedup else None
+
+
 def _spread(c: dict) -> str:
     """A cell's speedup spread, flagged when it exceeds the effect (|speedup − 1|)."""
-    return spread_label(c.get("speedup"), c.get("speedup_spread"))
+    speedup = speedup_of(c)
+    return spread_label(speedup.value, speedup.spread) if speedup else ""
 
 
 def _shape(c: dict) -> str:
@@ -205,10 +222,10 @@ def _plot_sweep(sweep: List[dict], data: dict, out: Path):
     ks = [k for k in range(1, min(max(v), longest + 1)) if k + 1 in v]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(ks, [predicted_speedup(alpha, k, c_cost, v[k + 1]) for k in ks], label=f"predicted (α={alpha:.2f}, c={c_cost:.2f})")
-    ax.plot([c["k"] for c in fixed], [c["speedup"] for c in fixed], "o", label="measured, fixed k")
+    ax.plot([c["k"] for c in fixed], [_speedup(c) for c in fixed], "o", label="measured, fixed k")
     for c in sweep:
         if c["k"] == "auto":
-            ax.plot([c["k_used"]], [c["speedup"]], "r*", ms=12, label=f"measured, k = auto (settled at {c['k_used']})")
+            ax.plot([c["k_used"]], [_speedup(c)], "r*", ms=12, label=f"measured, k = auto (settled at {c['k_used']})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="block length k", ylabel="speedup over target-only", title=f"Speedup vs k ({ref['set']}, T = 0)")
     ax.legend()

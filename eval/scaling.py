@@ -1,6 +1,7 @@
 """The τ-vs-target-tokens curve: does more target data make a drafter that accelerates decoding?
 
     python launch/scaling.py recipes/smollm2-135m-scaling.yaml [key=value ...]
+    python -m specdrafter.eval.scaling recipes/smollm2-135m-scaling.yaml [key=value ...]   (the same)
 
 For the recipe's data source (data.responses) one data job is grown, shard by shard, until it holds the largest of
 `scaling.budgets` target tokens; then, for each budget, an EAGLE-3 head is trained on the dataset's first
@@ -8,9 +9,10 @@ conversations holding that many target tokens (train.data_tokens) and evaluated 
 (eval.sets × eval.temperatures × chain at inference.k and the auto-sized dynamic tree). At `scaling.compare_budget`
 the other source is trained and evaluated too: regenerated (target) vs teacher-forced (dataset) at equal tokens.
 
-Every step is one of the project's own commands, run as a subprocess, each resuming where it stopped, so rerunning
-the same command after a kill continues the curve. After every evaluated run `scaling.json`, `scaling.md` and
-`tau_vs_tokens.png` are rewritten in output_dir: a budget still training appears as not reached.
+Every step is one of the project's own commands, run as a subprocess (`python -m specdrafter.data.regenerate`,
+`.train.command`, `.eval.job`), each resuming where it stopped, so rerunning the same command after a kill continues
+the curve. After every evaluated run `scaling.json`, `scaling.md` and `tau_vs_tokens.png` are rewritten in
+output_dir: a budget still training appears as not reached.
 """
 
 from __future__ import annotations
@@ -29,20 +31,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from specdrafter.core.cli import cli  # noqa: E402
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
 from specdrafter.core.recipe import save_recipe  # noqa: E402
+from specdrafter.eval.acceptance import speedup_of  # noqa: E402
+from specdrafter.train.plan import check_against_target  # noqa: E402
 
 log = logging.getLogger("specdrafter")
-LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 
 
-def command(script: str, recipe: str, overrides: List[str], *extra: str) -> None:
-    """Run one of launch/*.py with the scaling recipe plus `extra` overrides; a failure stops the curve in one line."""
-    cmd = [sys.executable, str(LAUNCH / script), recipe, *overrides, *extra]
-    log.info("$ " + " ".join(cmd[1:]))
+def command(module: str, recipe: str, overrides: List[str], *extra: str) -> None:
+    """Run `python -m module` (a command of the package, so no checkout is needed) with the scaling recipe plus
+    `extra` overrides; a failure stops the curve in one line."""
+    cmd = [sys.executable, "-m", module, recipe, *overrides, *extra]
+    log.info("$ python " + " ".join(cmd[1:]))
     done = subprocess.run(cmd)
     if done.returncode != 0:
-        raise SpecdrafterError(f"{script} failed (exit {done.returncode}); rerun the same scaling command to resume")
+        raise SpecdrafterError(f"{module} failed (exit {done.returncode}); rerun the same scaling command to resume")
 
 
 def response_tokens(data_dir: Path) -> int:
@@ -63,21 +68,23 @@ def ensure_data(cfg: DictConfig, recipe: str, overrides: List[str], source: str,
                                        "prompt set has no more conversations; lower scaling.budgets")
         shard = cfg.data.shard_size
         conversations = max(conversations + shard, math.ceil(tokens * 1.05 / per_conversation / shard) * shard)
-        command("generate_data.py", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
+        command("specdrafter.data.regenerate", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
                 f"data.num_conversations={conversations}")
     return response_tokens(data_dir)
 
 
 def summarise(results: Path) -> Dict[str, dict]:
-    """{ "<set>|T=<t>|<verifier>": {tau, alpha, speedup, ...} } from an eval job's results.json (newest checkpoint)."""
+    """{ "<set>|T=<t>|<verifier>": {tau, alpha, the speedup's fields, ...} } from an eval job's results.json (newest
+    checkpoint)."""
     data = json.loads(results.read_text())
     out = {}
     for c in data["cells"]:
         if c["sweep"] or c["verifier"] == "asd":
             continue
+        speedup = speedup_of(c)
         out[f"{c['set']}|T={c['temperature']:g}|{c['verifier']}"] = {
-            k: c.get(k) for k in ("tau", "alpha", "speedup", "speedup_spread", "predicted_speedup", "k_used",
-                                  "mean_tree_size")}
+            "tau": c.get("tau"), "alpha": c.get("alpha"), **(speedup.row() if speedup else {}),
+            **{k: c.get(k) for k in ("predicted_speedup", "k_used", "mean_tree_size")}}
     return out
 
 
@@ -105,11 +112,11 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
         data_dir = out / f"data-{source}"
         ensure_data(cfg, recipe, overrides, source, budget, data_dir)
         run_dir = out / name
-        command("train_eagle.py", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
+        command("specdrafter.train.command", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
                 f"train.data_tokens={budget}")
         newest = complete_checkpoints(run_dir / "checkpoints")[-1]
         state = json.loads((newest / "trainer_state.json").read_text())
-        command("eval_acceptance.py", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
+        command("specdrafter.eval.job", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
                 f"eval.output_dir={run_dir / 'eval'}", "eval.k_sweep=[]", "eval.verifiers=[chain,tree]")
         report["runs"][name] = {"source": source, "budget": budget, "step": state["step"],
                                 "tokens_seen": state["tokens"], "heldout": state.get("metrics"),
@@ -168,11 +175,12 @@ def write_scaling_report(report: dict, out: Path) -> None:
     def value(cell, field, fmt):
         return fmt.format(cell[field]) if cell and cell.get(field) is not None else "–"
 
-    def speedup(cell):  # with its measured spread (± the machine's drift), where the eval job recorded one
-        if not cell or cell.get("speedup") is None:
+    def speedup(cell):  # with its spread (the machine's drift, or the side-by-side rounds' range) where one was recorded
+        measured = speedup_of(cell) if cell else None
+        if measured is None:
             return "–"
-        spread = cell.get("speedup_spread")
-        return f"{cell['speedup']:.2f}×" + (f" ± {spread:.2f}" if spread is not None else "")
+        spread = measured.spread
+        return f"{measured.value:.2f}×" + (f" ± {spread:.2f}" if spread is not None else "")
 
     for name, r in ordered:
         for case in cases:
@@ -211,3 +219,18 @@ def write_scaling_report(report: dict, out: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(out / "tau_vs_tokens.png")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m specdrafter.eval.scaling RECIPE.yaml [key=value ...]` (launch/scaling.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+
+    def curve(cfg: DictConfig) -> None:
+        run_scaling(cfg, argv[0], [a for a in argv[1:] if "=" in a])
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli(curve, argv, check=check_against_target)  # before the first data job: what would stop its trainings
+
+
+if __name__ == "__main__":
+    main()

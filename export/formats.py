@@ -53,11 +53,12 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
+from specdrafter.eval.acceptance import speedup_of
 from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
-FORMATS = {f: kind for kind in KINDS.values() for f in kind.formats}  # --format → the drafter kind it exports
+FORMATS = {f: k for k in KINDS.values() for f in k.formats}  # --format → the drafter kind it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
@@ -439,13 +440,15 @@ def acceptance_table(src: Source) -> str:
     if not shown and cells:  # no cell of this step: the newest evaluated checkpoint's, said so
         newest = max((c.get("step") or 0) for c in cells)
         shown = [c for c in cells if (c.get("step") or 0) == newest]
+    # the speedup of whichever kind the cell measured (eval.repeats: drift-corrected, or the side-by-side median)
+    shown = [{**c, "speedup": measured.value} if (measured := speedup_of(c)) else c for c in shown]
     columns = [("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k", "k"), ("α", "alpha"),
                ("τ", "tau"), ("speedup", "speedup")]
     columns = [(name, key) for name, key in columns if any(key in c for c in shown)]
     if shown and columns:
         which = "this checkpoint" if shown[0].get("step") == step else f"training step {shown[0].get('step')}"
-        return (f"Measured on {which} by specdrafter's acceptance evaluation (α: accepted drafts / drafted; τ: tokens "
-                "per target pass):\n\n" + markdown_table([name for name, _ in columns],
+        return (f"Measured on {which} by specdrafter's acceptance evaluation (α: accepted drafts / draft positions "
+                "tried; τ: tokens per target pass):\n\n" + markdown_table([name for name, _ in columns],
                                                          [[c.get(key) for _, key in columns] for c in shown]))
     metrics = src.state.get("metrics") or {}
     names = [k.split("/", 1)[1] for k in metrics if k.startswith("alpha/") and k != "alpha/mean"]

@@ -65,11 +65,22 @@ class GenerationResult:
         return alpha_per_token(self.cycles)
 
 
+def positions_tried(cycles: List[CycleStats]) -> int:
+    """Draft positions the verifier tried: each cycle its accepted drafts plus the first rejected one (all k when the
+    whole block passed). The drafts after the first rejection were never tried."""
+    return sum(min(c.accepted + 1, c.drafted) for c in cycles)
+
+
+def acceptance_rate(accepted: int, tried: int) -> float:
+    """α = accepted drafts / draft positions tried: the one definition every report uses (the eval job, both decode
+    CLIs, training's decode check, decode.jsonl's readers). Not accepted / drafted: counting the drafts that were
+    never tried would make α fall with k for the same drafter."""
+    return accepted / max(tried, 1)
+
+
 def alpha_per_token(cycles: List[CycleStats]) -> float:
-    """α over any cycles: accepted drafts / draft positions tried. Not accepted / drafted: the drafts after the first
-    rejection were never tried, and counting them would make α fall with k for the same drafter."""
-    tried = sum(min(c.accepted + 1, c.drafted) for c in cycles)
-    return sum(c.accepted for c in cycles) / max(tried, 1)
+    """α over any cycles (`acceptance_rate` of their accepted drafts and `positions_tried`)."""
+    return acceptance_rate(sum(c.accepted for c in cycles), positions_tried(cycles))
 
 
 ASDSettings = ASDConfig  # the recipe's inference.asd (budget, gate, max_mismatches): its defaults are the schema's

@@ -122,9 +122,9 @@ class EagleTreeProposer(EagleProposer):
         outputs = {-1: hidden[0]}  # output hidden state [d] of each fed node: its children's input
 
         def feed_frontier(frontier, candidates, mask):
-            parent_out = torch.stack([outputs[candidates[c][2]] for c in frontier])[None]  # [1, F, d]
-            ids = draft_ids[[candidates[c][3] for c in frontier]][None]  # [1, F] target ids
-            positions = torch.full_like(ids, past + candidates[frontier[0]][1] - 1)  # [1, F]
+            parent_out = torch.stack([outputs[candidates[c].parent] for c in frontier])[None]  # [1, F, d]
+            ids = draft_ids[[candidates[c].token for c in frontier]][None]  # [1, F] target ids
+            positions = torch.full_like(ids, past + candidates[frontier[0]].depth - 1)  # [1, F]
             seen = torch.cat([mask.new_ones(len(frontier), past), mask], dim=1).to(ids.device)  # [F, S] committed pairs too
             out, _ = self.head(parent_out, self.embed(ids), positions, seen[None, None], self.cache)  # [1, F, d]
             outputs.update(zip(frontier, out[0]))
@@ -135,4 +135,4 @@ class EagleTreeProposer(EagleProposer):
         candidates, fed = grow_dynamic_tree(root_logp, levels, self.top_k, feed_frontier)
         self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the `cached` committed pairs
         shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tuner)
-        return shape, torch.tensor([committed[-1]] + draft_ids[[candidates[c][3] for c in keep]].tolist())
+        return shape, torch.tensor([committed[-1]] + draft_ids[[candidates[c].token for c in keep]].tolist())

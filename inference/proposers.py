@@ -200,8 +200,8 @@ class DynamicTreeProposer(DraftModelProposer):
         past = self.cached  # a depth-d node sits at position past − 1 + d and sees the committed past
 
         def feed_frontier(frontier, candidates, mask):
-            ids = torch.tensor([[candidates[c][3] for c in frontier]], device=device)  # [1, F]
-            depth = candidates[frontier[0]][1]
+            ids = torch.tensor([[candidates[c].token for c in frontier]], device=device)  # [1, F]
+            depth = candidates[frontier[0]].depth
             return self.model(input_ids=ids, cache=self.cache, use_cache=True,
                               attention_mask=tree_attention(mask, past).to(device),
                               position_ids=torch.full_like(ids, past - 1 + depth)).logits[0].log_softmax(-1)  # [F, V]
@@ -210,4 +210,4 @@ class DynamicTreeProposer(DraftModelProposer):
         candidates, fed = grow_dynamic_tree(root.log_softmax(-1), levels, self.top_k, feed_frontier)
         self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the committed prefix
         shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tuner)
-        return shape, torch.tensor([committed[-1]] + [candidates[c][3] for c in keep])
+        return shape, torch.tensor([committed[-1]] + [candidates[c].token for c in keep])

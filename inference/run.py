@@ -23,15 +23,17 @@ from specdrafter.inference.decode import (
     ASDSettings,
     ContextOverflow,
     GenerationResult,
+    acceptance_rate,
+    positions_tried,
     speculative_generate,
     tree_speculative_generate,
 )
 from specdrafter.inference.medusa import typical_generate
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.kinds import KINDS, drafter_path, kind_of
+from specdrafter.recipes import RECIPES_DIR
 
 log = logging.getLogger("specdrafter")
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def load_serving_target(cfg: DictConfig):
@@ -97,8 +99,8 @@ def _newest_trained(cfg: DictConfig) -> Checkpoint:
 
 def _trainer_of(run: str) -> str:
     """How to train the drafter a recipe of recipes/ writes to `run` (kinds/: launcher and recipe), or ""."""
-    for kind in [k for k in KINDS.values() if k.recipe and (RECIPES / k.recipe).is_file()]:
-        if Path(str(read_yaml(RECIPES / kind.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
+    for kind in [k for k in KINDS.values() if k.recipe and (RECIPES_DIR / k.recipe).is_file()]:
+        if Path(str(read_yaml(RECIPES_DIR / kind.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
             return f"; python launch/{kind.launcher} recipes/{kind.recipe} trains one there"
     return ""
 
@@ -183,11 +185,16 @@ def decode(cfg: DictConfig) -> DecodeReport:
     return DecodeReport(decoder.tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)
 
 
+ROW_COUNTS = ("tokens", "passes", "accepted", "tried", "drafted")  # per decode.jsonl row; summed into the totals
+
+
 def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = None) -> dict:
     """Every prompt of inference.prompts (its first user turn) through the decoding loop, one JSON row each in
     <output_dir>/decode.jsonl, appended as it goes: a rerun skips the prompts already written (a row cut short by a
-    kill is dropped). A prompt that leaves no room for max_new_tokens in the target's context gets a row saying why
-    instead of stopping the job. Returns the totals; `on_prompt(i)` is called after each prompt."""
+    kill is dropped). A row holds the text and ROW_COUNTS (`tried`: draft positions tried, so any reader computes
+    α = acceptance_rate(accepted, tried) as the loop does) and seconds. A prompt that leaves no room for
+    max_new_tokens in the target's context gets a row saying why instead of stopping the job. Returns the totals of
+    the prompts decoded now, with their α; `on_prompt(i)` is called after each prompt."""
     records = load_prompt_set(cfg.inference.prompts)
     if not records:
         raise SpecdrafterError(f"recipe key 'inference.prompts': {cfg.inference.prompts!r} holds no prompts")
@@ -195,8 +202,8 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
     done = _rows_written(out)
     save_recipe(cfg, out.parent)
     decoder = build_decoder(cfg)
-    totals = dict(prompts=len(records), decoded=0, skipped=0, resumed=len(done), tokens=0, passes=0, accepted=0,
-                  drafted=0, seconds=0.0)
+    totals = dict(prompts=len(records), decoded=0, skipped=0, resumed=len(done), **dict.fromkeys(ROW_COUNTS, 0),
+                  seconds=0.0)
     with open(out, "a") as f, tqdm(total=len(records), initial=len(done), desc="decode", unit="prompt") as bar:
         for i, record in enumerate(records):
             if record["id"] in done:
@@ -213,8 +220,9 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
             if "skipped" not in row:
                 row.update(text=decoder.tokenizer.decode(r.tokens, skip_special_tokens=True), tokens=len(r.tokens),
                            passes=len(r.cycles), accepted=sum(c.accepted for c in r.cycles),
-                           drafted=sum(c.drafted for c in r.cycles), seconds=round(seconds, 4))
-                for key in ("tokens", "passes", "accepted", "drafted", "seconds"):
+                           tried=positions_tried(r.cycles), drafted=sum(c.drafted for c in r.cycles),
+                           seconds=round(seconds, 4))
+                for key in ROW_COUNTS + ("seconds",):
                     totals[key] += row[key]
             totals["skipped" if "skipped" in row else "decoded"] += 1
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -222,11 +230,16 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
             bar.update(1)
             if on_prompt is not None:
                 on_prompt(i)
-    t = totals
-    log.info(f"decode: {t['decoded']} prompts ({t['resumed']} done before, {t['skipped']} skipped), {t['tokens']} tokens in "
-             f"{t['seconds']:.1f} s; τ = {t['tokens'] / max(t['passes'], 1):.2f}, α = {t['accepted'] / max(t['drafted'], 1):.3f} "
-             f"→ {out}")
+    totals["alpha"] = acceptance_rate(totals["accepted"], totals["tried"])
+    log.info(file_summary(totals, str(out.parent)))
     return totals
+
+
+def file_summary(totals: dict, out: str) -> str:
+    """decode_file's closing line, from its totals (the same τ and α as DecodeReport.summary)."""
+    return (f"decode: {totals['decoded']} prompts ({totals['resumed']} done before, {totals['skipped']} skipped), "
+            f"{totals['tokens']} tokens in {totals['seconds']:.1f} s; τ = {totals['tokens'] / max(totals['passes'], 1):.2f}, "
+            f"α = {totals['alpha']:.3f} (accepted ÷ draft positions tried) → {out}/decode.jsonl")
 
 
 def _rows_written(path: Path) -> set:

@@ -8,7 +8,7 @@ fills in node tokens each cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -84,7 +84,12 @@ def tree_from_parents(parents: Sequence[int]) -> TreeShape:
     return TreeShape(tuple(parents), tuple(choices))
 
 
-Candidate = Tuple[float, int, int, int]  # (score = cumulative draft log-prob, depth, parent candidate or −1, token)
+class Candidate(NamedTuple):
+    """One node a dynamic-tree proposer drafted (EAGLE-2 expansion)."""
+    score: float  # cumulative draft log-prob along the path from the root
+    depth: int  # 1 for the root's children
+    parent: int  # index of the parent candidate, or −1 for the root
+    token: int  # the drafter's vocabulary index
 
 
 def grow_dynamic_tree(root_logp: torch.Tensor, levels: int, top_k: int,
@@ -104,17 +109,17 @@ def grow_dynamic_tree(root_logp: torch.Tensor, levels: int, top_k: int,
         top = logp.topk(top_k, dim=-1)
         children = []
         for row, parent in enumerate(frontier):
-            base = candidates[parent][0] if parent >= 0 else 0.0
+            base = candidates[parent].score if parent >= 0 else 0.0
             for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                candidates.append((base + lp, depth, parent, token))
+                candidates.append(Candidate(base + lp, depth, parent, token))
                 children.append(len(candidates) - 1)
         if depth == levels:
             break
-        frontier = sorted(children, key=lambda c: -candidates[c][0])[:top_k]
+        frontier = sorted(children, key=lambda c: -candidates[c].score)[:top_k]
         slot = {c: i for i, c in enumerate(fed + frontier)}  # tree slot of every fed node, in feeding order
         mask = torch.zeros(len(frontier), len(slot), dtype=torch.bool)  # [F, fed + F]
         for row, c in enumerate(frontier):
-            ancestry[c] = ancestry[candidates[c][2]] + [c]
+            ancestry[c] = ancestry[candidates[c].parent] + [c]
             mask[row, [slot[a] for a in ancestry[c]]] = True
         logp = feed(frontier, candidates, mask)  # [F, V]
         fed += frontier
@@ -123,19 +128,19 @@ def grow_dynamic_tree(root_logp: torch.Tensor, levels: int, top_k: int,
 
 def select_dynamic_tree(nodes: Sequence[Candidate], total_tokens: int,
                         tuner=None) -> Tuple[TreeShape, List[int], torch.Tensor]:
-    """The tree to verify from EAGLE-2 candidates `nodes` = [(score, depth, parent candidate or −1, token)], score =
-    cumulative draft log-prob: the `total_tokens` best by score — closed under ancestors since scores only fall
-    along a path (ties go to shallower nodes) — or the first n of them that a `TreeSizeTuner` chooses.
+    """The tree to verify from EAGLE-2 candidates `nodes`: the `total_tokens` best by score (cumulative draft log-prob)
+    — closed under ancestors since scores only fall along a path (ties go to shallower nodes) — or the first n of
+    them that a `TreeSizeTuner` chooses.
     Returns (shape, the kept candidates in tree order = breadth-first, q [N+1]: each node's conditional draft
     probability, 1 for the root)."""
-    ranked = sorted(range(len(nodes)), key=lambda c: (-nodes[c][0], nodes[c][1]))[:total_tokens]
+    ranked = sorted(range(len(nodes)), key=lambda c: (-nodes[c].score, nodes[c].depth))[:total_tokens]
     rank = {-1: -1, **{c: i for i, c in enumerate(ranked)}}
-    parent_score = lambda c: nodes[nodes[c][2]][0] if nodes[c][2] >= 0 else 0.0  # noqa: E731
-    q = torch.tensor([nodes[c][0] - parent_score(c) for c in ranked], dtype=torch.float64).exp()  # [m]
-    n = tuner.choose([rank[nodes[c][2]] for c in ranked], q) if tuner is not None else len(ranked)
-    keep = sorted(ranked[:n], key=lambda c: (nodes[c][1], c))  # breadth-first: parents before children
+    parent_score = lambda c: nodes[nodes[c].parent].score if nodes[c].parent >= 0 else 0.0  # noqa: E731
+    q = torch.tensor([nodes[c].score - parent_score(c) for c in ranked], dtype=torch.float64).exp()  # [m]
+    n = tuner.choose([rank[nodes[c].parent] for c in ranked], q) if tuner is not None else len(ranked)
+    keep = sorted(ranked[:n], key=lambda c: (nodes[c].depth, c))  # breadth-first: parents before children
     index = {-1: 0, **{c: i + 1 for i, c in enumerate(keep)}}
-    shape = tree_from_parents([-1] + [index[nodes[c][2]] for c in keep])
+    shape = tree_from_parents([-1] + [index[nodes[c].parent] for c in keep])
     return shape, keep, torch.cat([torch.ones(1, dtype=torch.float64), q[[rank[c] for c in keep]]])
 
 

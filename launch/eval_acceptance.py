@@ -5,12 +5,7 @@
 `checkpoint=X` is short for eval.checkpoint=X. Rerunning the same command skips the cells already measured.
 """
 
-import logging
-import sys
-
-from specdrafter.core.cli import cli
-from specdrafter.eval.job import run_eval
+from specdrafter.eval.job import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli(run_eval, [("eval." + a if a.startswith("checkpoint=") else a) for a in sys.argv[1:]])
+    main()

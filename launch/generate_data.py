@@ -3,16 +3,7 @@
     python launch/generate_data.py recipes/smollm2-135m-data.yaml [key=value ...] [--print-config]
 """
 
-import logging
-
-from specdrafter.core.cli import cli
-from specdrafter.data.regenerate import generate_dataset
-
-
-def main(cfg):
-    generate_dataset(cfg)
-
+from specdrafter.data.regenerate import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli(main)
+    main()

@@ -67,7 +67,7 @@ if [ -d .gpu_check/wheels ] && ! $PY -c "import deepspeed, omegaconf, datasets" 
 fi
 if ! $PY -c "import specdrafter.core" 2>/dev/null; then  # the project is not installed there: map its folders
   mkdir -p /tmp/site/specdrafter                             # onto the `specdrafter` namespace, as pyproject.toml does
-  for pkg in core models data train inference eval export; do ln -sfn "$ROOT/$pkg" "/tmp/site/specdrafter/$pkg"; done
+  for pkg in core models data train inference eval export kinds recipes; do ln -sfn "$ROOT/$pkg" "/tmp/site/specdrafter/$pkg"; done
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 WEIGHTS="converted SmolLM2-135M-Instruct"

@@ -42,6 +42,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def in_process_training():
+    """For a test that trains in this process: train() makes a world-of-one process group and leaves RANK,
+    MASTER_PORT, ... in os.environ, where a launcher that a later test starts would inherit them and fail to bind
+    that port (EADDRINUSE). Restored afterwards; the process group itself stays, for the next in-process train()."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    yield
+    for k, value in saved.items():
+        if value is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = value
+
+
 def sample_first_two_through_the_loop(target, proposer, prompt, n: int, tree: bool):
     """n runs of the real speculative loop at T = 1 emitting two tokens (a tree proposer through the tree loop, with
     a fixed seed): Counter of the token pairs, and the accepted / drafted totals over all cycles."""

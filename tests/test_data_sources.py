@@ -175,6 +175,7 @@ def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smoll
     from specdrafter.kinds import build_drafter, feature_layers
     from specdrafter.train.batches import TrainingData
     from specdrafter.train.drafters import run_target
+    from specdrafter.train.objectives import Objective
 
     prompts = write_jsonl(tmp_path / "chat.jsonl", chat_rows(10))
     data = tmp_path / "data"
@@ -201,6 +202,6 @@ def test_multi_turn_mixed_data_trains_every_drafter(tmp_path, tiny_target, smoll
         torch.testing.assert_close(batch.features[1][real], full.hidden_states[1][real], atol=1e-4, rtol=1e-4)
     predictions = drafter.predictions(drafter.module, batch, run_target(target, batch, layers))
     assert len(predictions[0].draft_logits) == int(batch.loss_mask[:, 1 if kind == "draft_model" else 2:].sum())
-    loss = sum(p.loss(cfg.train)[0] for p in predictions)
+    loss = sum(p.loss(Objective.of(cfg.train))[0] for p in predictions)
     loss.backward()
     assert torch.isfinite(loss) and any(q.grad is not None for q in drafter.module.parameters())

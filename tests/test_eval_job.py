@@ -78,7 +78,7 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
     def crash_after_three(*args, **kwargs):
         if len(calls) == 3:
             raise KeyboardInterrupt  # killed mid-run
-        calls.append(args[1]["id"])
+        calls.append(args[1].id)
         return real(*args, **kwargs)
     monkeypatch.setattr(eval_job, "_run_cell", crash_after_three)
     with pytest.raises(KeyboardInterrupt):
@@ -87,7 +87,7 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
     assert [c["id"] for c in first["cells"]] == calls  # every finished cell is on disk
 
     calls.clear()
-    monkeypatch.setattr(eval_job, "_run_cell", lambda *a, **k: (calls.append(a[1]["id"]), real(*a, **k))[1])
+    monkeypatch.setattr(eval_job, "_run_cell", lambda *a, **k: (calls.append(a[1].id), real(*a, **k))[1])
     run_eval(cfg)
     data = json.loads((out / "results.json").read_text())
     ids = [c["id"] for c in data["cells"]]
@@ -105,16 +105,20 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
     assert set(data["baselines"]) == {"mtbench|T=0.0", "mtbench|T=1.0", "gsm8k|T=0.0", "gsm8k|T=1.0"}
     for c in data["cells"]:
         assert {"id", "checkpoint", "step", "set", "temperature", "verifier", "k", "tokens", "target_passes",
-                "tokens_per_s", "speedup", "tau", "alpha", "per_position", "mean_tv", "alpha_tv_gap", "c",
+                "tokens_per_s", "speedup_drift_corrected", "tau", "alpha", "per_position", "mean_tv", "alpha_tv_gap", "c",
                 "predicted_speedup", "best_k", "outputs"} <= set(c)
         assert c["tau"] == pytest.approx(c["tokens"] / c["target_passes"], abs=1e-3)
         base = data["baselines"][f"{c['set']}|T={c['temperature']}"]
         assert c["target_step_s"] > 0 and base["target_step_s"] > 0  # the machine's speed at each measurement
         drift = base["target_step_s"] / c["target_step_s"]
-        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / (base["tokens_per_s"] * drift), rel=5e-3, abs=2e-3)
+        speedup = c["speedup_drift_corrected"]
+        assert speedup == pytest.approx(c["tokens_per_s"] / (base["tokens_per_s"] * drift), rel=5e-3, abs=2e-3)
         assert c["speedup_uncorrected"] == pytest.approx(c["tokens_per_s"] / base["tokens_per_s"], rel=5e-3, abs=2e-3)
-        spread = c["speedup"] * (c["target_step_spread"] + base["target_step_spread"])  # the machine around both
-        assert c["speedup_spread"] == pytest.approx(spread, abs=2e-3)
+        spread = speedup * (c["target_step_spread"] + base["target_step_spread"])  # the machine around both
+        assert c["speedup_drift_spread"] == pytest.approx(spread, abs=2e-3)
+        assert not {"speedup", "speedup_spread", "speedup_median", "speedup_range", "speedup_rounds"} & set(c)
+        if c["predicted_speedup"]:
+            assert c["measured_over_predicted"] == pytest.approx(speedup / c["predicted_speedup"], abs=1e-3)
         assert len(c["per_position_n"]) == len(c["per_position"]) and c["per_position_n"][0] == c["target_passes"]
         assert 0 <= c["alpha"] <= 1 and c["c"] > 0
         assert len(c["per_position"]) == c["k"] if c["k"] != "auto" else len(c["per_position"]) >= c["k_used"]
@@ -134,7 +138,8 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
 
     report = (out / "report.md").read_text()
     assert "## ASD audit" in report and "## Speedup vs k" in report and "## By checkpoint" in report
-    assert "| speedup | spread |" in report and "⚠ noisy:" in report  # the spread beside every speedup, and the legend
+    assert "| speedup (drift-corrected) | drift spread | uncorrected |" in report  # the spread beside every speedup
+    assert "`speedup_drift_corrected`" in report and "⚠ noisy:" in report  # ... and the legend
     for name in ["acceptance_by_position.png", "by_step.png", "speedup_vs_k.png"]:
         png = (out / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
@@ -187,16 +192,18 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
     assert data["settings"]["repeats"] == 3 and len(data["cells"]) == 2
     for c in data["cells"]:
         rounds = c["speedup_rounds"]
-        assert len(rounds) == 3 and c["speedup"] == sorted(rounds)[1] == c["speedup_uncorrected"]
-        assert c["speedup_spread"] == pytest.approx(max(rounds) - min(rounds), abs=2e-3)  # each stored rounded
-        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / c["baseline_tokens_per_s"], abs=2e-3)
+        assert len(rounds) == 3 and c["speedup_median"] == sorted(rounds)[1]
+        assert c["speedup_range"] == pytest.approx(max(rounds) - min(rounds), abs=2e-3)  # each stored rounded
+        assert c["speedup_median"] == pytest.approx(c["tokens_per_s"] / c["baseline_tokens_per_s"], abs=2e-3)
+        assert not {"speedup", "speedup_spread", "speedup_drift_corrected", "speedup_uncorrected"} & set(c)
         assert tokens(thrice, c) == tokens(once, single[c["id"]])  # the same decoding, three times
         assert (c["alpha"], c["tau"]) == (single[c["id"]]["alpha"], single[c["id"]]["tau"])
     baselines = json.loads((once / "results.json").read_text())["baselines"]
     assert set(data["baselines"]) == set(baselines) == {"mtbench|T=0.0", "mtbench|T=1.0"}
     for base_id, base in data["baselines"].items():  # target-only decoding beside the cell: the same texts, in order
         assert tokens(thrice, base) == tokens(once, baselines[base_id]) and base["tokens"] == baselines[base_id]["tokens"]
-    assert "decoded 3 times" in (thrice / "report.md").read_text()
+    report = (thrice / "report.md").read_text()
+    assert "decoded 3 times" in report and "| speedup (median) | range | predicted |" in report
 
     old = json.loads((once / "results.json").read_text())
     del old["sha256"], old["settings"]["repeats"]  # as written before eval.repeats existed
@@ -255,22 +262,23 @@ def test_report_and_benchmark_flag_a_speedup_within_its_spread(tmp_path):
     from specdrafter.eval.bench_decode import markdown
     from specdrafter.eval.report import write_report
 
-    def cell(name, speedup, spread):
+    def cell(name, speedup, spread, keys=("speedup_drift_corrected", "speedup_drift_spread")):
         return {"id": name, "checkpoint": "step-000004", "step": None, "set": name, "temperature": 0.0, "verifier": "chain",
                 "k": 2, "tree_size": None, "asd": None, "sweep": False, "alpha": 0.3, "tau": 1.3, "tokens_per_s": 10.0,
-                "speedup": speedup, "speedup_spread": spread, "speedup_uncorrected": speedup, "per_position": [0.3, 0.2],
+                keys[0]: speedup, keys[1]: spread, "speedup_uncorrected": speedup, "per_position": [0.3, 0.2],
                 "per_position_n": [10, 3], "outputs": f"outputs/{name}.jsonl"}
     data = {"drafter": "draft_model", "target": "tiny", "settings": {"num_prompts": 2, "max_new_tokens": 8},
             "machine": {"target_step_s": 0.01, "target_step_spread": 0.03, "v": {"1": 1.0, "2": 1.2, "3": 1.2},
                         "v_raw": {"1": 1.0, "2": 1.25, "3": 1.15}, "v_spread": {"1": 0.0, "2": 0.04, "3": 0.05}},
-            "baselines": {}, "cells": [cell("noisy", 1.05, 0.08), cell("clear", 1.5, 0.05), cell("old", 1.02, None)]}
+            "baselines": {}, "cells": [cell("noisy", 1.05, 0.08), cell("clear", 1.5, 0.05),
+                      cell("old", 1.02, None, keys=("speedup", "speedup_spread"))]}  # before the kinds had their own keys
     report = write_report(data, tmp_path).read_text()
     rows = {}
     for line in report.splitlines():  # the first table's row of each set
         if line.startswith("| "):
             rows.setdefault(line.split(" | ")[0].strip("| "), line)
     assert "| 1.05 | 0.08 ⚠ noisy |" in rows["noisy"] and "| 1.5 | 0.05 |" in rows["clear"]
-    assert "| 1.02 |  |" in rows["old"]  # results.json from before spreads were recorded: nothing to flag
+    assert "| 1.02 |  | 1.02 |" in rows["old"]  # results.json from before spreads were recorded: nothing to flag
     assert "⚠ noisy: the speedup's spread is larger than its distance from 1×" in report
     assert "2: 1.20 [raw 1.25, spread 4 %]" in report and "target step 10.0 ms (spread 3 %)" in report
 

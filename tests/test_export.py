@@ -443,7 +443,7 @@ def test_card_recipe_and_step_with_no_paths_or_tokens(tmp_path, monkeypatch, che
     (run / "eval").mkdir(exist_ok=True)
     (run / "eval" / "results.json").write_text(json.dumps({"schema": 1, "cells": [
         {"checkpoint": "step-000004", "step": 4, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 3,
-         "alpha": 0.612, "tau": 2.25, "speedup": 1.71, "sweep": False},
+         "alpha": 0.612, "tau": 2.25, "speedup_drift_corrected": 1.71, "sweep": False},
         {"checkpoint": "step-000004", "step": 4, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 5,
          "alpha": 0.5, "tau": 2.0, "speedup": 1.5, "sweep": True},
         {"checkpoint": "step-000002", "step": 2, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 7,
@@ -459,6 +459,7 @@ def test_card_recipe_and_step_with_no_paths_or_tokens(tmp_path, monkeypatch, che
     assert "training step 4" in card and json.loads((out / "trainer_state.json").read_text())["step"] == 4
     assert "| set | T | verifier | k | α | τ | speedup |" in card and "| mtbench | 0 | chain | 3 | 0.612 | 2.25 | 1.71 |" in card
     assert "Measured on this checkpoint" in card and "| 5 |" not in card and "| 7 |" not in card  # no sweep, no other step
+    assert "α: accepted drafts / draft positions tried" in card  # the eval job's α, whatever k was
     assert "vllm serve someone/smol-eagle3" in card and "input** to target layer k" in card
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert saved["target"]["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and saved["drafter"]["path"] == "drafter"

@@ -13,8 +13,10 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.chat import user_prompt_ids
+from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.eval.bench_load import filled_to
-from specdrafter.inference.run import decode_file
+from specdrafter.inference.decode import acceptance_rate
+from specdrafter.inference.run import build_decoder, decode_file, file_summary
 
 CONTEXT, NEW, K = 160, 8, 4
 
@@ -71,6 +73,29 @@ def test_a_prompt_file_is_decoded_exactly_with_the_context_limit_and_resumes(tmp
     again = decode_file(cfg)
     assert (again["resumed"], again["decoded"], again["skipped"]) == (13, 0, 1)
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == [r["id"] for r in rows]
+
+
+def test_the_prompt_file_cli_reports_the_eval_jobs_alpha(tmp_path, sharp_target, smollm2_tokenizer):
+    """decode.jsonl's rows, decode_file's totals and the CLI's line give the α that the eval job's cycle_metrics
+    computes from the same decode (accepted ÷ draft positions tried), not accepted ÷ drafted."""
+    folder, _ = sharp_target
+    rows = [{"id": f"q{i}", "prompt": f"Question {i}: count to {i + 3} in words."} for i in range(4)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_recipe(REPO / "recipes" / "smollm2-135m-generate.yaml",
+                      [f"target.model={folder}", "drafter.num_layers=1", f"inference.max_new_tokens={2 * NEW}",
+                       f"inference.k={K}", f"inference.prompts={prompts}", f"output_dir={tmp_path / 'out'}"])
+    totals = decode_file(cfg)
+    out = [json.loads(line) for line in (tmp_path / "out" / "decode.jsonl").read_text().splitlines()]
+    decoder = build_decoder(cfg)  # the same greedy decode, prompt by prompt, as the eval job would measure it
+    results = [decoder(user_prompt_ids(smollm2_tokenizer, r["prompt"])) for r in rows]
+    for row, result in zip(out, results):
+        assert row["tokens"] == len(result.tokens) and acceptance_rate(row["accepted"], row["tried"]) == result.alpha
+    cycles = [c for r in results for c in r.cycles]
+    alpha = cycle_metrics(cycles, totals["tokens"], 1.0, {}, chain=True).alpha
+    assert totals["alpha"] == alpha
+    assert totals["accepted"] < totals["tried"] < totals["drafted"]  # α ≠ accepted ÷ drafted on this decode
+    assert f"α = {alpha:.3f} " in file_summary(totals, str(tmp_path / "out"))
 
 
 def test_a_missing_or_empty_prompt_file_is_one_line(tmp_path):

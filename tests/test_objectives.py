@@ -4,8 +4,11 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from specdrafter.train.objectives import OBJECTIVES, distill_loss, feature_loss, per_position
+from specdrafter.core.recipe import OBJECTIVES, Recipe
+from specdrafter.train.memory import OBJECTIVE_BYTES, objective_bytes
+from specdrafter.train.objectives import DIVERGENCES, Objective, distill_loss, feature_loss, per_position
 
 INF = float("inf")
 LOG2 = math.log(2)
@@ -177,6 +180,44 @@ def test_unknown_objective_raises():
         distill_loss(t, d, torch.ones(2), {"tv": 1.0, "kl": 0.0})
     with pytest.raises(ValueError, match="'kl'"):
         per_position("kl", t, d)
+
+
+# ------------------------------------------------------------------------------------------ the recipe's objective
+def test_the_schema_the_loss_and_the_planner_name_the_same_objectives():
+    """core/recipe.py's OBJECTIVES (what a recipe may weight, checked before train/ loads) are the loss's dispatch
+    table and the memory model's table, no more and no fewer."""
+    assert tuple(DIVERGENCES) == OBJECTIVES
+    assert set(OBJECTIVE_BYTES) == set(OBJECTIVES)
+
+
+def test_an_empty_train_objective_is_soft_ce_everywhere():
+    cfg = OmegaConf.structured(Recipe)
+    assert dict(cfg.train.objective) == {}
+    assert Objective.of(cfg.train) == Objective({"soft_ce": 1.0}, cfg.train.temperature, cfg.train.jsd_beta)
+    empty = objective_bytes(cfg)
+    cfg.train.objective = {"soft_ce": 1.0}
+    assert objective_bytes(cfg) == empty
+    cfg.train.objective, cfg.train.temperature, cfg.train.jsd_beta = {"tv": 0.5, "jsd": 2.0}, 0.7, 0.25
+    assert Objective.of(cfg.train) == Objective({"tv": 0.5, "jsd": 2.0}, 0.7, 0.25)
+    assert objective_bytes(cfg) != empty
+
+
+def test_the_objective_is_distill_loss_and_reads_nothing_back(monkeypatch):
+    """The training loss hands back tensors only: a value read back (.item(), .tolist(), float()) is a device sync
+    per prediction per micro-batch on a GPU; the parts are read once, when logged."""
+    t, d = random_logits(3, 6, seed=24), random_logits(3, 6, seed=25)
+    mask = torch.tensor([1, 0, 1])
+    objective = Objective({"tv": 0.3, "jsd": 1.5}, 0.8, 0.3)
+    expected = distill_loss(t, d, mask, objective.weights, 0.8, 0.3)
+    reads = []
+    for method in ("item", "tolist", "__float__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, name=method: reads.append(name))
+    value = objective(t, d, mask)
+    out = distill_loss(t, d, mask, objective.weights, 0.8, 0.3)
+    monkeypatch.undo()
+    assert reads == []
+    assert torch.equal(value, expected.total) and torch.equal(out.total, expected.total)
+    assert out.parts == expected.parts and set(out.parts) == {"tv", "jsd"}
 
 
 # ------------------------------------------------------------------------------------------ feature_loss

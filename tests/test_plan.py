@@ -1,18 +1,23 @@
 """The planner (train/plan.py, launch/plan.py): cluster recipes planned on the meta device in seconds, one line per
 failing sanity check, and the launchers' check silent on CPU."""
 
-import importlib.util
 import json
+import runpy
+import sys
 
 import pytest
+import torch
+from conftest import REPO
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import load_recipe
 from specdrafter.train.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
-from tests.conftest import REPO
+from specdrafter.train.plan import main as plan_main
 
 LLAMA8B = REPO / "recipes" / "llama8b.yaml"
 EIGHT = Setup(world=8, gpus_per_node=8)
+LAUNCHERS = [("train_eagle.py", "llama8b.yaml"), ("train_medusa.py", "llama8b-medusa.yaml"),
+             ("train_draft.py", "llama8b-draft.yaml")]
 
 
 def plan_of(recipe=LLAMA8B, *overrides, setup=EIGHT):
@@ -111,20 +116,38 @@ def test_per_node_numbers(llama8b):
 
 
 def test_cli_prints_plan_and_fails_in_one_line(capsys):
-    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "launch" / "plan.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    assert cli.take_flags(["r.yaml", "--nodes", "2", "--gpus-per-node=4", "a=b"]) == (2, 4, ["r.yaml", "a=b"])
-    cli.main(load_recipe(LLAMA8B), "recipes/llama8b.yaml", 2, 8)
-    assert "world 16" in capsys.readouterr().out
-    with pytest.raises(SpecdrafterError, match="^does not fit"):
-        cli.main(load_recipe(LLAMA8B, ["train.gpu_memory_gb=10"]), "recipes/llama8b.yaml", 1, 8)
+    plan_main([str(LLAMA8B), "--nodes", "2", "--gpus-per-node=4"])
+    out = capsys.readouterr()
+    assert "2 node(s) × 4 GPU(s) = world 8" in out.out
+    assert out.err == ""  # the plan is the output: no resolved recipe before it
+    with pytest.raises(SystemExit, match="^error: does not fit"):
+        plan_main([str(LLAMA8B), "train.gpu_memory_gb=10", "--nodes=2"])
+    assert "world 16" in capsys.readouterr().out  # the whole plan before the failing line
+    with pytest.raises(SystemExit, match="^error: --gpus-per-node needs a positive integer, got '0'$"):
+        plan_main([str(LLAMA8B), "--gpus-per-node", "0"])
+    with pytest.raises(SystemExit, match=r"^usage: .* RECIPE.yaml \[key=value ...\] \[--nodes N\] \[--gpus-per-node N\]"):
+        plan_main(["--nodes", "2"])
 
 
-def test_preflight_is_silent_on_cpu(capsys, monkeypatch):
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    assert preflight(load_recipe(LLAMA8B, ["train.gpu_memory_gb=1"])) is None
-    assert capsys.readouterr().out == ""
+def launch(monkeypatch, script: str, *args: str) -> str:
+    """Run launch/<script> in this process as `python launch/<script> ARGS` would; its exit message."""
+    monkeypatch.setattr(sys, "argv", [f"launch/{script}", *args])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(REPO / "launch" / script), run_name="__main__")
+    return done.value.code
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: on a GPU the check runs")
+@pytest.mark.parametrize("script,recipe", LAUNCHERS)
+def test_on_cpu_the_launchers_go_past_the_check_to_training(script, recipe, tmp_path, capsys, monkeypatch,
+                                                            in_process_training):
+    """A memory budget no plan fits is no reason to refuse on CPU: the launcher says nothing about a plan and reaches
+    training, which stops at its first own check (no data job given)."""
+    code = launch(monkeypatch, script, str(REPO / "recipes" / recipe), "train.gpu_memory_gb=1", "train.data_dir=null",
+                  f"output_dir={tmp_path / 'run'}")
+    assert code.startswith("error: recipe key 'train.data_dir' is required"), code
+    printed = capsys.readouterr()
+    assert "plan:" not in printed.out + printed.err
 
 
 def test_unknown_hub_target_is_one_line(monkeypatch):
@@ -136,12 +159,18 @@ def test_unknown_hub_target_is_one_line(monkeypatch):
         plan_of(LLAMA8B, "target.model=nobody/Nothing-1B")
 
 
-def test_preflight_on_cuda_prints_one_line_or_refuses(capsys, monkeypatch):
-    props = type("Props", (), {"total_memory": 80 * GIB})
+def fake_gpus(monkeypatch, count: int, gib: int = 80) -> None:
+    """torch reports `count` CUDA devices of `gib` GiB each (the planner reads nothing else of a GPU)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # if train/loop.py is first imported below: DeepSpeed stays on the CPU
+    props = type("Props", (), {"total_memory": gib * GIB})
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.set_device", lambda index: None)
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: count)
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: props)
+
+
+def test_preflight_on_cuda_prints_one_line_or_refuses(capsys, monkeypatch):
+    fake_gpus(monkeypatch, 8)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "0")
@@ -155,8 +184,15 @@ def test_preflight_on_cuda_prints_one_line_or_refuses(capsys, monkeypatch):
         preflight(load_recipe(LLAMA8B, ["drafter.eagle.aux_layer_ids=[2,16,33]"]))
 
 
-def test_launchers_check_before_training():
-    for name in ("train_eagle.py", "train_medusa.py", "train_draft.py"):
-        assert "train_command(" in (REPO / "launch" / name).read_text()
-    text = (REPO / "train" / "command.py").read_text()
-    assert 0 < text.index("preflight(cfg)") < text.index("train(cfg)")
+@pytest.mark.parametrize("script,recipe", LAUNCHERS)
+def test_on_cuda_the_launchers_refuse_a_plan_that_does_not_fit_before_training(script, recipe, tmp_path, monkeypatch):
+    """On a GPU the launcher's first act after the recipe is the plan: 10 GiB cannot hold the 8B target, so it exits
+    with the planner's one line, before training makes its output_dir or loads anything."""
+    fake_gpus(monkeypatch, 1)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)  # one process on one GPU
+    code = launch(monkeypatch, script, str(REPO / "recipes" / recipe), "train.gpu_memory_gb=10",
+                  f"output_dir={tmp_path / 'run'}")
+    assert code.startswith("error: does not fit: ") and "train.gpu_memory_gb" in code and "\n" not in code, code
+    assert code.endswith("(launch/plan.py prints the whole plan)")
+    assert not (tmp_path / "run").exists()

@@ -1,27 +1,36 @@
 """Recipes: every file validates; bad keys, types, values and paths fail in one line naming the key."""
 
+import re
+import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 from omegaconf import OmegaConf
 
 from specdrafter.core.recipe import RecipeError, load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
 EAGLE_RECIPE = REPO / "recipes" / "smollm2-135m-eagle3.yaml"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
-def test_every_recipe_validates_and_names_its_command(path):
+def test_every_recipe_validates_and_its_header_command_runs(path, monkeypatch, capsys):
+    """The command in the recipe's header comment names a launcher that exists; that launcher, run in this process as
+    the command would run it (with --print-config), prints this recipe resolved and exits cleanly."""
     cfg = load_recipe(path)
-    assert cfg.output_dir
-    header = path.read_text().splitlines()[0:4]
-    assert header[0].startswith("#")
-    assert any("launch/" in line and path.name in line for line in header), "header comment must give the command"
+    header = "\n".join(line for line in path.read_text().splitlines()[:6] if line.startswith("#"))
+    command = re.search(rf"(launch/\w+\.py) recipes/{re.escape(path.name)}(\s|$)", header)
+    assert command, f"{path.name}: the header comment gives no launch/... command for this recipe"
+    launcher = REPO / command.group(1)
+    assert launcher.is_file(), launcher
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", [command.group(1), f"recipes/{path.name}", "--print-config"])
+    runpy.run_path(str(launcher), run_name="__main__")  # a failure would raise SystemExit
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert OmegaConf.to_container(printed) == OmegaConf.to_container(cfg, enum_to_str=True)
 
 
 def test_overrides_merge_with_types():

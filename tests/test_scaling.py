@@ -5,12 +5,10 @@ the report is written, and a rerun does no work twice."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import datasets
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
 
 
 def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
@@ -57,15 +55,44 @@ def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
 
 def test_the_trend_is_alphas_slope_per_decade_and_its_extrapolation_to_tau_3():
     from specdrafter.eval.scaling import ALPHA_FOR_TAU_3, alpha_trend, trend_lines
-    assert sum(ALPHA_FOR_TAU_3 ** j for j in range(5)) == pytest.approx(3.0, abs=1e-3)  # τ = 3 at k = 4
+    assert ALPHA_FOR_TAU_3 == pytest.approx(0.741271, abs=1e-4)  # the root in [0, 1] of α⁴ + α³ + α² + α − 2 (bisection)
     a, b = alpha_trend([(1e5, 0.30), (1e6, 0.40), (1e7, 0.50)])
     assert (a, b) == (pytest.approx(-0.2), pytest.approx(0.1))
+    a, b = alpha_trend([(1e5, 0.30), (1e6, 0.50), (1e7, 0.40)])  # not on a line: the least-squares fit
+    assert (a, b) == (pytest.approx(0.1), pytest.approx(0.05))  # x̄ = 6, ȳ = 0.4: b = (−1·−0.1 + 1·0) / 2, a = ȳ − 6b
     assert alpha_trend([(1e5, 0.3)]) is None
     cell = lambda alpha: {"cells": {"mt|T=0|chain": {"alpha": alpha}}}  # noqa: E731
-    runs = {"dataset-100000": {"source": "dataset", "budget": 100000, **cell(0.30)},
-            "dataset-1000000": {"source": "dataset", "budget": 1000000, **cell(0.40)},
+    runs = {"dataset-100000": {"source": "dataset", "budget": 100000, **cell(0.3413)},
+            "dataset-1000000": {"source": "dataset", "budget": 1000000, **cell(0.4413)},
             "target-100000": {"source": "target", "budget": 100000, **cell(0.90)}}  # the other source: not on the line
     lines = trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])
-    assert lines[-1] == f"| mt | 0 | +0.100 | 2 | {10 ** ((ALPHA_FOR_TAU_3 + 0.2) / 0.1):.1e} |"
+    # +0.1 a decade from 0.3413 at 1e5 tokens: four more decades to 0.7413
+    assert lines[-1] == "| mt | 0 | +0.100 | 2 | 1.0e+09 |"
     runs["dataset-1000000"] = {"source": "dataset", "budget": 1000000, **cell(0.25)}
     assert trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])[-1].endswith("| never (α does not grow) |")
+
+
+def test_summary_keeps_each_speedup_kind_and_reads_rows_from_before_they_had_their_own_keys(tmp_path):
+    """summarise() stores a cell's speedup under its kind's keys; rows and summaries written when both kinds were
+    "speedup" / "speedup_spread" (docs/results/scaling.json) still print, each with its spread."""
+    from specdrafter.eval.scaling import summarise, write_scaling_report
+    base = {"sweep": False, "set": "mt", "verifier": "chain", "tau": 1.5, "alpha": 0.3}
+    cells = [{**base, "temperature": 0.0, "speedup_drift_corrected": 1.2, "speedup_drift_spread": 0.05,
+              "speedup_uncorrected": 1.1},
+             {**base, "temperature": 1.0, "speedup": 1.08, "speedup_spread": 0.11, "speedup_rounds": [1.0, 1.08, 1.11],
+              "baseline_tokens_per_s": 18.7},  # side by side, old keys
+             {**base, "verifier": "tree", "temperature": 0.0, "speedup_median": 0.9, "speedup_range": 0.02,
+              "speedup_rounds": [0.89, 0.9, 0.91], "baseline_tokens_per_s": 20.0}]
+    (tmp_path / "results.json").write_text(json.dumps({"cells": cells}))
+    summary = summarise(tmp_path / "results.json")
+    assert summary["mt|T=0|chain"]["speedup_drift_spread"] == 0.05 and "speedup_median" not in summary["mt|T=0|chain"]
+    assert summary["mt|T=1|chain"]["speedup_median"] == 1.08 and summary["mt|T=1|chain"]["speedup_range"] == 0.11
+    assert summary["mt|T=0|tree"]["speedup_median"] == 0.9
+    old = {"tau": 1.4, "alpha": 0.25, "speedup": 0.66, "speedup_spread": None}  # a summary in docs/results/scaling.json
+    runs = {"dataset-100": {"source": "dataset", "budget": 100, "step": 5, "cells": summary},
+            "dataset-10": {"source": "dataset", "budget": 10, "step": 1, "cells": {"mt|T=1|tree": old}}}
+    write_scaling_report({"runs": runs, "settings": {"source": "dataset", "budgets": [10, 100], "epochs": 1, "k": 4}},
+                         tmp_path)
+    rows = [line for line in (tmp_path / "scaling.md").read_text().splitlines() if line.startswith("| dataset-")]
+    assert len(rows) == 4 and rows[1].endswith("| – | 0.66× |")  # the old summary: no spread recorded
+    assert rows[2].endswith("| 1.20× ± 0.05 | 0.90× ± 0.02 |") and rows[3].endswith("| 1.08× ± 0.11 | – |")

@@ -26,6 +26,7 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import Recipe, RecipeError, load_recipe
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
 from specdrafter.inference.eagle import EagleTreeProposer
 from specdrafter.inference.run import build_proposer, decode, load_serving_target
@@ -36,6 +37,7 @@ from specdrafter.train.batches import Batch, TrainingData
 from specdrafter.train.drafters import run_target
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
 from specdrafter.train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
+from specdrafter.train.objectives import Objective
 from specdrafter.train.plan import check_training_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,10 +228,10 @@ def test_predictions_line_up_with_the_targets_rows(tmp_path, kind, extra, peaky_
         if kind == "eagle3":
             assert p.draft_logits.shape == (len(b), 1024) and p.draft_ids.tolist() == drafter.module.draft_ids.tolist()
             in_vocab = drafter.module.t2d[full.logits[b, t + s - 1].argmax(-1)]  # targets the draft cannot emit: not trained
-            assert p.trained.tolist() == in_vocab.tolist() and 0 < int(in_vocab.sum()) < len(b)
+            assert p.loss_rows.tolist() == in_vocab.tolist() and 0 < int(in_vocab.sum()) < len(b)
         else:
             assert p.draft_logits.shape == (len(b), V) and p.draft_ids is None
-            assert p.trained is None or bool(p.trained.all())
+            assert p.loss_rows is None or bool(p.loss_rows.all())
 
     target_params = {id(q) for q in target.parameters()}
     trainable = [n for n, q in drafter.module.named_parameters() if q.requires_grad]
@@ -257,10 +259,11 @@ def test_draft_vocabulary_teacher_gives_the_full_teachers_numbers(tmp_path, monk
         full = drafter.predictions(drafter.module, batch, run_target(target, batch, layers))
         sliced = drafter.predictions(drafter.module, batch, run_target(target, batch, layers, drafter.teacher_ids,
                                                                        temperature))
+    objective = Objective.of(cfg.train)
     for a, b in zip(full, sliced):
         assert a.target_logits.shape[1] == target.config.vocab_size and b.target_logits.shape[1] == 1024
-        assert torch.equal(a.trained, b.trained) and 0 < int(a.trained.sum()) < len(a.trained)
-        torch.testing.assert_close(b.loss(cfg.train)[1], a.loss(cfg.train)[1])
+        assert torch.equal(a.loss_rows, b.loss_rows) and 0 < int(a.loss_rows.sum()) < len(a.loss_rows)
+        torch.testing.assert_close(b.loss(objective)[1], a.loss(objective)[1])
         torch.testing.assert_close(acceptance_sums(b, temperature), acceptance_sums(a, temperature))
 
 
@@ -576,12 +579,12 @@ def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, pea
 
     # The trained folder as decoding serves it: the fine-tuned backbone (not the target) with the trained heads. Greedy
     # speculative decoding of the light evaluation's prompts is token-identical to that backbone's own greedy decoding,
-    # and reproduces the τ and α the run logged.
+    # and reproduces the τ and α the run logged (the eval job's α: accepted ÷ draft positions tried).
     served = recipe("medusa", tmp_path, peaky_target, data_dir, *settings, f"drafter.path={final_drafter(tmp_path)}")
     backbone, _ = load_serving_target(served)
     proposer = build_proposer(served, backbone)
     eos = [target.generation_config.eos_token_id]
-    tokens = passes = accepted = drafted = 0
+    tokens, cycles = 0, []
     for record in load_prompt_set(served.eval.sets[0])[:min(served.eval.num_prompts, 2)]:
         prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
                                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
@@ -591,10 +594,10 @@ def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, pea
             assert not torch.equal(backbone(torch.tensor([prompt])).logits, target(torch.tensor([prompt])).logits)
         result = speculative_generate(backbone, proposer, prompt, 8, SamplingParams(0.0), served.inference.k, eos)
         assert result.tokens == reference and len(set(reference)) > 1
-        tokens, passes = tokens + len(result.tokens), passes + len(result.cycles)
-        accepted, drafted = accepted + sum(c.accepted for c in result.cycles), drafted + sum(c.drafted for c in result.cycles)
-    assert checks[0]["decode/tau"] == pytest.approx(tokens / passes) and checks[0]["decode/alpha"] == pytest.approx(
-        accepted / drafted)
+        tokens, cycles = tokens + len(result.tokens), cycles + result.cycles
+    measured = cycle_metrics(cycles, tokens, 1.0, {}, chain=True)
+    assert checks[0]["decode/tau"] == pytest.approx(measured.tau) and checks[0]["decode/alpha"] == pytest.approx(
+        measured.alpha)
     with pytest.raises(SpecdrafterError, match="drafter.lora.r > 0"):
         build_drafter(recipe("medusa", tmp_path, peaky_target, data_dir, "drafter.medusa.stage=2"),
                       AutoModelForCausalLM.from_pretrained(peaky_target))

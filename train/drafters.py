@@ -35,7 +35,7 @@ from specdrafter.models.features import capture_features
 from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from specdrafter.train.batches import Batch
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test
-from specdrafter.train.objectives import distill_loss, feature_loss
+from specdrafter.train.objectives import Objective, feature_loss
 
 # The dtype of every trainable drafter's weights, whatever the target's: AdamW on bf16 weights loses the updates
 # smaller than bf16's resolution. train.precision=amp_bf16 runs the matmuls in bf16 under autocast; DeepSpeed's bf16
@@ -50,24 +50,25 @@ class Prediction:
     draft_logits: torch.Tensor  # [N, Vd] at the N counted positions
     target_logits: torch.Tensor  # [N, V] the target's rows for the same tokens (no gradient)
     draft_ids: Optional[torch.Tensor] = None  # [Vd] target id of each draft-vocabulary entry (None: full vocabulary)
-    trained: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
+    loss_rows: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
     feature_loss: Optional[torch.Tensor] = None  # EAGLE-1's feature regression, added to the loss as is
     # When set, target_logits hold only the draft vocabulary's rows [N, Vd] and target_lse [N] is the log of the
     # target's normaliser over its *full* vocabulary at the training temperature (see `teacher_rows`).
     target_lse: Optional[torch.Tensor] = None
 
-    def loss(self, t: DictConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, objective: Objective) -> Tuple[torch.Tensor, torch.Tensor]:
         """This prediction's training loss — (weight · objective + EAGLE-1's feature term, the objective alone):
-        the target's rows sliced to the draft vocabulary (unless `teacher_rows` already did), the recipe's
-        train.objective (default soft CE) at train.temperature over the `trained` rows, times `weight` (1 for a
-        draft model; Medusa head i: heads_weight · decay^i; EAGLE TTT step j: step_decay^j, 0.8^j by default)."""
+        the target's rows sliced to the draft vocabulary (unless `teacher_rows` already did), `objective` (the
+        recipe's: train/objectives.py:Objective.of) over the `loss_rows`, times `weight` (1 for a draft model;
+        Medusa head i: heads_weight · decay^i; EAGLE TTT step j: step_decay^j, 0.8^j by default)."""
         sliced = self.draft_ids is None or self.target_lse is not None  # target rows already in the draft vocabulary
         teacher = self.target_logits if sliced else self.target_logits[:, self.draft_ids]  # [N, Vd]
-        rows = torch.ones(len(teacher), dtype=torch.bool, device=teacher.device) if self.trained is None else self.trained
-        objective = distill_loss(teacher, self.draft_logits, rows, dict(t.objective) or {"soft_ce": 1.0}, t.temperature,
-                                 t.jsd_beta).total
+        rows = self.loss_rows
+        if rows is None:
+            rows = torch.ones(len(teacher), dtype=torch.bool, device=teacher.device)  # [N]
+        value = objective(teacher, self.draft_logits, rows)
         extra = self.feature_loss if self.feature_loss is not None else 0.0
-        return self.weight * objective + extra, objective
+        return self.weight * value + extra, value
 
 
 @dataclass
@@ -313,8 +314,8 @@ class Eagle3Drafter:
                 in_vocab, lse = module.t2d[p.argmax(-1)], None  # [N] the draft can emit the target's top token: trained on
             else:  # draft-vocabulary teacher rows (teacher_ids)
                 p, in_vocab, lse = target.logits[index], target.top_in_vocab[index], target.lse[index]
-            out.append(Prediction(f"step{j}", self.decay ** j, module.logits(h[rows]), p, module.draft_ids, in_vocab,
-                                  target_lse=lse))
+            out.append(Prediction(f"step{j}", self.decay ** j, module.logits(h[rows]), p, module.draft_ids,
+                                  loss_rows=in_vocab, target_lse=lse))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:

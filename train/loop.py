@@ -50,14 +50,12 @@ from specdrafter.core.io import (  # noqa: E402
     write_checkpoint_state,
 )
 from specdrafter.core.recipe import Recipe, load_saved_recipe, save_recipe  # noqa: E402
-from specdrafter.data.assets import load_prompt_set, load_target  # noqa: E402
-from specdrafter.data.chat import eos_token_ids, user_prompt_ids  # noqa: E402
-from specdrafter.inference.decode import speculative_generate  # noqa: E402
-from specdrafter.inference.run import block_tuner, build_proposer  # noqa: E402
-from specdrafter.inference.sampling import SamplingParams  # noqa: E402
+from specdrafter.data.assets import load_target  # noqa: E402
+from specdrafter.eval.decode_check import decode_check  # noqa: E402
 from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
+from specdrafter.train.objectives import Objective  # noqa: E402
 from specdrafter.train.plan import check_training_recipe  # noqa: E402
 
 log = logging.getLogger("specdrafter")
@@ -120,17 +118,17 @@ def param_groups(drafter, lr: float) -> List[dict]:
     return [{"params": ps, "lr": lr * scale} for scale, ps in groups.items()]
 
 
-def deepspeed_config(t: DictConfig, bf16: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": t.micro_batch_size, "gradient_accumulation_steps": t.grad_accum,
-            "gradient_clipping": t.grad_clip, "zero_optimization": {"stage": t.zero_stage},
+def deepspeed_config(tc: DictConfig, bf16: bool) -> dict:
+    return {"train_micro_batch_size_per_gpu": tc.micro_batch_size, "gradient_accumulation_steps": tc.grad_accum,
+            "gradient_clipping": tc.grad_clip, "zero_optimization": {"stage": tc.zero_stage},
             "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,  # torch's AdamW
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def autocast(t: DictConfig, device: torch.device):
+def autocast(tc: DictConfig, device: torch.device):
     """bf16 autocast of the teacher's lm_head and the drafter's forward with train.precision=amp_bf16: weights,
     gradients and optimizer stay fp32; the loss upcasts the logits to fp32 itself."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision.value == "amp_bf16")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision.value == "amp_bf16")
 
 
 # ------------------------------------------------------------------------------------------ objectives
@@ -142,7 +140,7 @@ def acceptance_sums(pred: Prediction, temperature: float) -> torch.Tensor:
     draft_top = pred.draft_logits.argmax(-1)  # [N]
     if pred.target_lse is not None:  # draft-vocabulary target rows + the full vocabulary's normaliser
         p = torch.exp(pred.target_logits / temperature - pred.target_lse[:, None])  # [N, Vd] full-vocabulary p(draft tokens)
-        top1 = (pred.trained & (draft_top == pred.target_logits.argmax(-1))).float()  # [N] the target's top is a draft token
+        top1 = (pred.loss_rows & (draft_top == pred.target_logits.argmax(-1))).float()  # [N] the target's top is a draft token
     else:
         p = torch.softmax(pred.target_logits / temperature, -1)  # [N, V]
         if pred.draft_ids is not None:
@@ -259,7 +257,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
 
 def setup(cfg: DictConfig) -> Run:
     """The process group, the target, the data, the drafter under DeepSpeed, and the state of a checkpoint to resume."""
-    t = cfg.train
+    tc = cfg.train
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     out = Path(cfg.output_dir).expanduser()
@@ -272,35 +270,35 @@ def setup(cfg: DictConfig) -> Run:
             raise SpecdrafterError(f"{resume} was made by a different recipe: {', '.join(differences)}; use another "
                                    f"output_dir (with train.warm_start={resume} to start from its weights)")
 
-    torch.manual_seed(t.seed)
-    use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and torch.cuda.is_available())
+    torch.manual_seed(tc.seed)
+    use_bf16 = tc.precision.value == "bf16" or (tc.precision.value == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
     target.requires_grad_(False)
     target.to(device)
     layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
-    data = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed,
-                        layers if t.features.value == "offline" else (), t.data_tokens)
+    data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed,
+                        layers if tc.features.value == "offline" else (), tc.data_tokens)
     drafter = build_drafter(cfg, target, data, tokenizer)
 
-    per_epoch = len(data.train) // (t.micro_batch_size * world)
-    if per_epoch < t.grad_accum:
+    per_epoch = len(data.train) // (tc.micro_batch_size * world)
+    if per_epoch < tc.grad_accum:
         raise SpecdrafterError(f"{len(data.train)} training conversations make less than one optimizer step of "
-                               f"{t.micro_batch_size} × {t.grad_accum} × {world} ranks; lower train.micro_batch_size or "
+                               f"{tc.micro_batch_size} × {tc.grad_accum} × {world} ranks; lower train.micro_batch_size or "
                                "train.grad_accum")
-    total = t.max_steps or t.epochs * per_epoch // t.grad_accum
-    optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))
+    total = tc.max_steps or tc.epochs * per_epoch // tc.grad_accum
+    optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=drafter.module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(t, use_bf16))
+                                           config=deepspeed_config(tc, use_bf16))
     progress = Progress()
     if resume is not None:
         state = load_deepspeed_state(engine, resume)
         progress = Progress(state["step"], state["tokens"], state.get("metrics"))
         torch.set_rng_state(state["rng"])
         log.info(f"resuming from {resume} (step {progress.step} of {total})")
-    elif t.warm_start:
-        warm = Path(t.warm_start).expanduser()
+    elif tc.warm_start:
+        warm = Path(tc.warm_start).expanduser()
         problem = checkpoint_problem(warm) if (warm / TRAINER_STATE).is_file() else None
         if problem:
             raise SpecdrafterError(f"recipe key 'train.warm_start': checkpoint {warm} is damaged ({problem})")
@@ -317,25 +315,29 @@ def setup(cfg: DictConfig) -> Run:
 def train_step(run: Run, step: int) -> Dict[str, float]:
     """One optimizer step: grad_accum micro-batches of this rank's share of the data (fixed by the global micro-batch
     counter, so a resumed run reads what an uninterrupted one would). Returns the step's record for the logs."""
-    t = run.cfg.train
-    parts: Dict[str, float] = {}
-    total_loss = 0.0
-    for micro in range(t.grad_accum):
-        g = step * t.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed
+    tc = run.cfg.train
+    names: List[str] = []  # the drafter's predictions, in the order micro_batch_loss returns them
+    logged = []  # per micro-batch [1 + P]: its loss and each prediction's objective, detached, read once per step
+    for micro in range(tc.grad_accum):
+        g = step * tc.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed
         epoch, i = divmod(g, run.per_epoch)
-        order = run.data.epoch_order(epoch, t.micro_batch_size * run.world if t.group_by_length else 1)
-        start = (i * run.world + run.rank) * t.micro_batch_size
-        batch = run.data.batch(order[start:start + t.micro_batch_size]).to(run.device)
-        loss, totals = micro_batch_loss(run.drafter, run.engine, run.target, batch, run.layers, t, run.device)
-        for name, value in totals.items():
-            parts[f"loss/{name}"] = parts.get(f"loss/{name}", 0.0) + float(value.detach()) / t.grad_accum
+        order = run.data.epoch_order(epoch, tc.micro_batch_size * run.world if tc.group_by_length else 1)
+        start = (i * run.world + run.rank) * tc.micro_batch_size
+        batch = run.data.batch(order[start:start + tc.micro_batch_size]).to(run.device)
+        loss, totals = micro_batch_loss(run.drafter, run.engine, run.target, batch, run.layers, tc, run.device)
+        names = list(totals)
+        logged.append(torch.stack([loss.detach(), *(value.detach() for value in totals.values())]))
         if not _all_finite(loss, run.device):
             raise SpecdrafterError(f"the loss is {float(loss)} at step {step + 1}: training stopped; the last good "
                                    f"checkpoint is {run.last_good or 'none (no checkpoint was written yet)'}")
-        total_loss += float(loss.detach()) / t.grad_accum
         run.engine.backward(loss)
         run.engine.step()
         run.progress.tokens += batch.num_tokens
+    total_loss, parts = 0.0, {f"loss/{name}": 0.0 for name in names}
+    for micro_loss, *objectives in torch.stack(logged).tolist():  # [grad_accum, 1 + P]: one device sync per step
+        total_loss += micro_loss / tc.grad_accum
+        for name, value in zip(names, objectives):
+            parts[f"loss/{name}"] += value / tc.grad_accum
     run.progress.step = step + 1
     began, tokens_then = run.started
     speed = (run.progress.tokens - tokens_then) * run.world / max(time.perf_counter() - began, 1e-9)
@@ -351,11 +353,11 @@ def write_metrics(run: Run, record: dict) -> None:
 
 def checkpoint(run: Run, bar) -> None:
     """Save a checkpoint; every `decode_check_every` saves (and at the end), decode with it through the real loop."""
-    t = run.cfg.train
+    tc = run.cfg.train
     run.last_good = save_checkpoint(run.engine, run.drafter, run.cfg, run.checkpoints, run.progress, run.tokenizer,
                                     run.rank)
-    saves = run.progress.step // t.save_every
-    if run.rank == 0 and t.decode_check_every and (saves % t.decode_check_every == 0 or run.progress.step == run.total):
+    saves = run.progress.step // tc.save_every
+    if run.rank == 0 and tc.decode_check_every and (saves % tc.decode_check_every == 0 or run.progress.step == run.total):
         check = {"step": run.progress.step, **decode_check(run.cfg, run.last_good / "drafter", run.target, run.tokenizer)}
         write_metrics(run, check)
         if run.logger:
@@ -378,34 +380,16 @@ def finish(run: Run) -> Dict[str, float]:
     return run.progress.last_metrics or {}
 
 
-@torch.no_grad()
-def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, float]:
-    """The light evaluation: a saved drafter through the real decoding loop (the first eval.num_prompts ≤ 2 prompts
-    of eval.sets[0], greedy, block length inference.k) — τ and α as users will see them, not the held-out proxy."""
-    c = cfg.copy()
-    c.drafter.path, c.inference.tree, c.inference.dynamic_tree.total_tokens = str(folder), [], 0
-    serving = kind_of(c).serving_target(folder, target)
-    proposer = build_proposer(c, serving)  # the drafter in the target's dtype, beside it on its device
-    eos = eos_token_ids(target, tokenizer)
-    tokens = passes = accepted = drafted = 0
-    k = block_tuner(c.inference) or c.inference.k
-    for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, 2)]:
-        prompt = user_prompt_ids(tokenizer, record["turns"][0])
-        r = speculative_generate(serving, proposer, prompt, cfg.eval.max_new_tokens, SamplingParams(0.0), k, eos)
-        tokens, passes = tokens + len(r.tokens), passes + len(r.cycles)
-        accepted, drafted = accepted + sum(x.accepted for x in r.cycles), drafted + sum(x.drafted for x in r.cycles)
-    return {"decode/tau": tokens / max(passes, 1), "decode/alpha": accepted / max(drafted, 1)}
-
-
-def micro_batch_loss(drafter, engine, target, batch, layers, t: DictConfig, device):
+def micro_batch_loss(drafter, engine, target, batch, layers, tc: DictConfig, device):
     """One micro-batch's training loss: the target's rows, the drafter's predictions, Σ weight · objective (+ the
     EAGLE-1 feature term). Returns (loss, {prediction name: its objective})."""
-    with autocast(t, device):
-        target_out = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
+    with autocast(tc, device):
+        target_out = run_target(target, batch, layers, drafter.teacher_ids, tc.temperature, param_dtype(engine))
         predictions = drafter.predictions(engine.module, batch, target_out)
+    objective = Objective.of(tc)
     loss, totals = 0.0, {}
     for pred in predictions:
-        share, totals[pred.name] = pred.loss(t)  # train/drafters.py:Prediction.loss
+        share, totals[pred.name] = pred.loss(objective)  # train/drafters.py:Prediction.loss
         loss = loss + share
     return loss, totals
 
@@ -428,22 +412,22 @@ def _postfix(record: dict, metrics: Optional[dict]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(engine, drafter, data: TrainingData, target, layers, t: DictConfig, rank: int, world: int,
+def evaluate(engine, drafter, data: TrainingData, target, layers, tc: DictConfig, rank: int, world: int,
              device=torch.device("cpu")) -> Dict[str, float]:
     """Held-out simulated acceptance α̂ and top-1 agreement per head / TTT step, summed over all ranks."""
     engine.module.eval()
     sums: Dict[str, torch.Tensor] = {}
     mine = data.heldout[rank::world]
-    batches = [mine[i:i + t.micro_batch_size] for i in range(0, len(mine), t.micro_batch_size)]
+    batches = [mine[i:i + tc.micro_batch_size] for i in range(0, len(mine), tc.micro_batch_size)]
     for indices in batches or [[]]:
         if not indices:  # a rank without held-out conversations still joins the collective below
             continue
         batch = data.batch(indices).to(device)
-        with autocast(t, device):
-            teacher = run_target(target, batch, layers, drafter.teacher_ids, t.temperature, param_dtype(engine))
+        with autocast(tc, device):
+            teacher = run_target(target, batch, layers, drafter.teacher_ids, tc.temperature, param_dtype(engine))
             predictions = drafter.predictions(engine.module, batch, teacher)
         for p in predictions:
-            sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, t.temperature).cpu()
+            sums[p.name] = sums.get(p.name, torch.zeros(3)) + acceptance_sums(p, tc.temperature).cpu()
     names = drafter.prediction_names
     stacked = torch.stack([sums.get(n, torch.zeros(3)) for n in names]).to(device)  # [P, 3]
     dist.all_reduce(stacked)

@@ -11,11 +11,13 @@ import torch
 from omegaconf import DictConfig
 
 from specdrafter.train.drafters import TEACHER_CHUNK
+from specdrafter.train.objectives import objective_weights
 
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
 MAX_LIVE_PARAMETERS = 1_000_000_000  # ZeRO-3's stage3_max_live_parameters default
-# Bytes per element of a [rows, vocabulary] pair of the distillation loss (train/objectives.py, fp32): what its
-# backward keeps (log q and each objective's own) and the peak while it is computed (with log p and temporaries).
+# Bytes per element of a [rows, vocabulary] pair of each distillation objective (train/objectives.py:DIVERGENCES,
+# fp32): what its backward keeps (log q and each objective's own) and the peak while it is computed (with log p and
+# temporaries).
 OBJECTIVE_BYTES = {"soft_ce": (9, 21), "fkl": (9, 22), "tv": (12, 20), "rkl": (13, 21), "jsd": (23, 35)}
 CPU_ADAM_TEMPS = 3  # torch AdamW on CPU goes tensor by tensor: ~3 temporaries of the largest tensor at the step
 
@@ -206,7 +208,7 @@ def target_forward_bytes(N: int, T: Shapes, bt: int) -> int:
 
 def objective_bytes(cfg: DictConfig) -> Tuple[int, int]:
     """(saved, peak) bytes per [rows, vocabulary] element of the recipe's objectives; they share log q (4 bytes)."""
-    weights = [k for k, v in (dict(cfg.train.objective) or {"soft_ce": 1.0}).items() if v]
+    weights = [k for k, v in objective_weights(cfg.train.objective).items() if v]
     saved = 4 + sum(OBJECTIVE_BYTES[k][0] - 4 for k in weights)
     return saved, saved + max(OBJECTIVE_BYTES[k][1] - OBJECTIVE_BYTES[k][0] for k in weights)
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from specdrafter.core.recipe import OBJECTIVES  # the names the recipe schema accepts
 
 
 def _kl(a: Tensor, log_a: Tensor, log_b: Tensor) -> Tensor:
@@ -75,16 +74,31 @@ def _log_probs(target_logits: Tensor, draft_logits: Tensor, temperature: float) 
     return log_p, log_q
 
 
+Divergence = Callable[[Tensor, Tensor, float], Tensor]
+"""(log p [..., V], log q [..., V], jsd β) → the objective at every position [...]."""
+
+# The objectives train.objective may weight, by name. The recipe schema checks those keys against
+# core/recipe.py:OBJECTIVES before anything under train/ is imported (core/ cannot import train/);
+# tests/test_objectives.py pins the two to the same names.
+DIVERGENCES: Dict[str, Divergence] = {
+    "tv": lambda log_p, log_q, beta: total_variation(log_p, log_q),
+    "fkl": lambda log_p, log_q, beta: forward_kl(log_p, log_q),
+    "rkl": lambda log_p, log_q, beta: reverse_kl(log_p, log_q),
+    "jsd": jensen_shannon,
+    "soft_ce": lambda log_p, log_q, beta: soft_cross_entropy(log_p, log_q),
+}
+
+DEFAULT_WEIGHTS = {"soft_ce": 1.0}  # what an empty train.objective trains
+
+
+def objective_weights(objective: Mapping[str, float]) -> Dict[str, float]:
+    """The weights a recipe's train.objective stands for: its own, or DEFAULT_WEIGHTS when it names none."""
+    return dict(objective) or dict(DEFAULT_WEIGHTS)
+
+
 def _check_name(name: str) -> None:
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(OBJECTIVES)}")
-
-
-def _divergence(name: str, log_p: Tensor, log_q: Tensor, jsd_beta: float) -> Tensor:
-    if name == "jsd":
-        return jensen_shannon(log_p, log_q, jsd_beta)
-    return {"tv": total_variation, "fkl": forward_kl, "rkl": reverse_kl, "soft_ce": soft_cross_entropy}[name](
-        log_p, log_q)
+    if name not in DIVERGENCES:
+        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(DIVERGENCES)}")
 
 
 def per_position(name: str, target_logits: Tensor, draft_logits: Tensor, temperature: float = 1.0,
@@ -92,7 +106,7 @@ def per_position(name: str, target_logits: Tensor, draft_logits: Tensor, tempera
     """Objective `name` at every position: logits [..., V] (same shape) → loss [...]."""
     _check_name(name)
     log_p, log_q = _log_probs(target_logits, draft_logits, temperature)
-    return _divergence(name, log_p, log_q, jsd_beta)
+    return DIVERGENCES[name](log_p, log_q, jsd_beta)
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -107,7 +121,12 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 @dataclass
 class LossOutput:
     total: Tensor  # scalar, differentiable
-    parts: dict[str, float]  # each weighted objective's masked mean (unweighted), for logging
+    means: dict[str, Tensor]  # each weighted objective's masked mean (unweighted), detached
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """`means` as numbers, for logging: one device sync for all of them, and only when asked for."""
+        return dict(zip(self.means, torch.stack(list(self.means.values())).tolist()))
 
 
 def distill_loss(target_logits: Tensor, draft_logits: Tensor, mask: Tensor, weights: Mapping[str, float],
@@ -118,13 +137,28 @@ def distill_loss(target_logits: Tensor, draft_logits: Tensor, mask: Tensor, weig
         _check_name(name)  # before any work, so a typo in a recipe fails at step 0
     active = {name: w for name, w in weights.items() if w != 0}
     if not active:
-        raise ValueError(f"distill_loss needs a nonzero weight for at least one of {', '.join(OBJECTIVES)}")
+        raise ValueError(f"distill_loss needs a nonzero weight for at least one of {', '.join(DIVERGENCES)}")
     log_p, log_q = _log_probs(target_logits, draft_logits, temperature)  # once, shared by all objectives
-    means = {name: masked_mean(_divergence(name, log_p, log_q, jsd_beta), mask) for name in active}
+    means = {name: masked_mean(DIVERGENCES[name](log_p, log_q, jsd_beta), mask) for name in active}
     total = sum(active[name] * mean for name, mean in means.items())
-    # One stack + tolist(): a single device sync for logging instead of one .item() per objective.
-    values = torch.stack([mean.detach() for mean in means.values()]).tolist()
-    return LossOutput(total=total, parts=dict(zip(means, values)))
+    return LossOutput(total=total, means={name: mean.detach() for name, mean in means.items()})
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a training loss distils with: weights over DIVERGENCES, at a temperature (and JSD's β)."""
+    weights: Dict[str, float]
+    temperature: float = 1.0
+    jsd_beta: float = 0.5
+
+    @classmethod
+    def of(cls, train_cfg) -> "Objective":
+        """The recipe's train.objective (objective_weights: soft CE when empty), train.temperature, train.jsd_beta."""
+        return cls(objective_weights(train_cfg.objective), train_cfg.temperature, train_cfg.jsd_beta)
+
+    def __call__(self, target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
+        """distill_loss(...).total: the objective, differentiable."""
+        return distill_loss(target_logits, draft_logits, mask, self.weights, self.temperature, self.jsd_beta).total
 
 
 def feature_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """Plan a training run before anything heavy loads: memory per GPU, disk, data, and recipe sanity at cluster scale.
 
     python launch/plan.py RECIPE.yaml [key=value ...] [--nodes N] [--gpus-per-node G]
+    python -m specdrafter.train.plan RECIPE.yaml [key=value ...] [--nodes N] [--gpus-per-node G]   (the same)
 
 The target and the drafter are built on the meta device (accelerate.init_empty_weights: no weights, no hub) from a
 config: the converted SmolLM2 folder, a local model folder, or a hub id's public config.json shipped in
@@ -35,14 +36,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specdrafter.core.cli import cli
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import RecipeError
 from specdrafter.kinds import KINDS, kind_of
+from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
 from specdrafter.train.memory import Counts, Setup, Shapes, activations, dtype_bytes, model_states, precision
 
-REPO = Path(__file__).resolve().parents[1]
-TARGETS_DIR = REPO / "recipes" / "targets"
+TARGETS_DIR = RECIPES_DIR / "targets"
 GIB = 2**30
 DEFAULT_GPU_GB = 80.0
 TEMPLATE_TOKENS = 32  # chat-template tokens per turn, for token estimates without a tokenizer
@@ -60,7 +62,7 @@ def target_config(name: str):
     except (OSError, ValueError) as e:
         shipped = TARGETS_DIR / f"{name.rstrip('/').split('/')[-1]}.json"
         raise SpecdrafterError(f"no config for model {name!r} ({str(e).splitlines()[0]}); put its config.json in "
-                               f"{shipped.relative_to(REPO)} or point the recipe at a local folder") from None
+                               f"{shipped.relative_to(RECIPES_DIR.parent)} or point the recipe at a local folder") from None
 
 
 def _config_path(name: str) -> Optional[Path]:
@@ -282,11 +284,11 @@ def _data_job(cfg: DictConfig) -> Tuple[Optional[DictConfig], str]:
     if not data_dir:
         return None, "this recipe's data section (no train.data_dir)"
     saved = Path(data_dir).expanduser() / "recipe.yaml"
-    candidates = [saved] if saved.is_file() else sorted((REPO / "recipes").glob("*.yaml"))
+    candidates = [saved] if saved.is_file() else sorted(RECIPES_DIR.glob("*.yaml"))
     for path in candidates:
         job = _data_section(path, data_dir if path != saved else None)
         if job is not None:
-            return job, str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+            return job, str(path.relative_to(RECIPES_DIR.parent) if path.is_relative_to(RECIPES_DIR.parent) else path)
     return None, f"none found for {data_dir} (this recipe's data section)"
 
 
@@ -428,3 +430,22 @@ def preflight(cfg: DictConfig) -> Optional[Plan]:
         print(f"plan: {plan.total / GIB:.1f} of {plan.budget_gb:.0f} GiB per GPU ({plan.budget_source}; biggest: {name} "
               f"{size / GIB:.1f} GiB)", flush=True)
     return plan
+
+
+# ------------------------------------------------------------------------------------------------- command line
+def print_plan(cfg: DictConfig, recipe: str, flags: Dict[str, Optional[int]]) -> None:
+    """The plan on --nodes × --gpus-per-node GPUs (default: 8 per node for a hub target, 1 for the built-in one);
+    a failed check is raised after the whole plan is printed."""
+    gpus = flags["--gpus-per-node"] or (1 if cfg.target.model == "smollm2-135m-instruct" else 8)
+    plan = make_plan(cfg, recipe, Setup(world=flags["--nodes"] * gpus, gpus_per_node=gpus, device="cuda"))
+    print(format_plan(plan, cfg))
+    if plan.problems():
+        raise SpecdrafterError(plan.problems()[0])
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    cli(print_plan, argv, flags={"--nodes": 1, "--gpus-per-node": None})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+"""Block drafters (docs/block-drafters.md): DFlash and DSpark, which draft a whole block of tokens in one forward pass
+of a small transformer that reads the target's hidden states.
+
+The backbone. `num_hidden_layers` decoder layers at the target's width, each a Qwen3-style layer (per-head RMSNorm
+on queries and keys). The target features — the outputs of the target layers `target_layer_ids` — are concatenated
+and fused once, H = hidden_norm(fc(concat)), fc: m·d_t → d without bias. Every layer attends from the block's slots
+over [its own keys of H ; its keys of the block] (k_norm and RoPE on both; H does not pass through the layer's input
+norm); the queries come from the block only. A block at anchor position a is [x_a, MASK × (B−1)], embedded with the
+target's frozen token embedding, at positions a .. a+B−1 (one RoPE table for context and block). It attends to
+every context position < a — the target has not yet run on x_a when decoding drafts from it — and bidirectionally
+to its own slots. The last hidden states go through `norm` and the target's frozen lm_head (over the draft
+vocabulary when it is pruned: target id = i + d2t[i], as EAGLE-3 does).
+
+The kinds. Draft j (0-based) of a block always predicts x_{a+1+j}:
+    dflash  slot k predicts x_{a+k}; the anchor slot predicts nothing: γ = B − 1 drafts, from slots 1..B−1
+    dspark  label shift, slot k predicts x_{a+k+1}: γ = B drafts, from slots 0..B−1; then a rank-r Markov head,
+            logits_j = U_j + W2(W1[prev_j]) with prev_0 = the anchor and prev_j = draft j−1 (the true token in
+            training), and a confidence head c_j = σ(proj([h_j ; W1[prev_j]]))
+
+Layer ids. `target_layer_ids` read as layer *outputs*, DFlash's convention (HF `hidden_states[k + 1]`): id k is
+the output of target layer k, which is our id k + 1 in models/features.py (the input to layer k + 1); the drafter's
+`feature_layers` lists them in ours. Id L − 1, the last layer's output, is refused: unlike every other id, HF's
+hidden_states report it after the final norm, so which state a drafter trained on it reads would depend on who
+captured it.
+
+Tensor names are the ones vLLM's DFlashDraftModel loads: layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.
+{q_norm,k_norm}, layers.N.mlp.{gate,up,down}_proj, layers.N.{input_layernorm,post_attention_layernorm}, fc,
+hidden_norm, norm, d2t, t2d; DSpark adds markov_head.{markov_w1,markov_w2} and confidence_head.proj. The target's
+embedding and lm_head are passed in and never saved.
+"""
+
+# No `from __future__ import annotations`: @strict checks a config field's type only when its annotation is a real type.
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from specdrafter.core.io import SpecdrafterError, json_file_problem, read_safetensors, save_config_and_weights
+
+KV = Tuple[torch.Tensor, torch.Tensor]
+BLOCK_KINDS = ("dflash", "dspark")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2's <empty_output>: a special token chat text does not use
+DEFAULT_MARKOV_RANK = 256  # DSpark's; DFlash has no Markov head
+
+
+@strict
+class BlockDrafterConfig(Qwen3Config):
+    """A Qwen3 config (the backbone's layers) plus the block drafter's own fields. model_type stays "qwen3", the
+    layer type the engines build for DFlash."""
+    kind: str = "dflash"  # "dflash" | "dspark"
+    block_size: int = 16  # slots per block: the anchor and block_size − 1 masks
+    mask_token_id: int = DEFAULT_MASK_TOKEN_ID  # an unused row of the target's embedding
+    target_layer_ids: list[int] | None = None  # target layer outputs read (DFlash's convention), increasing
+    num_target_layers: int = 0
+    target_hidden_size: int | None = None  # the features' width d_t (None: hidden_size)
+    draft_vocab_size: int | None = None  # None: the full vocabulary
+    markov_rank: int = 0  # r of DSpark's Markov head; 0: none
+    enable_confidence_head: bool = False  # DSpark's confidence head
+
+
+def config_problem(c: BlockDrafterConfig) -> Optional[str]:
+    """What makes `c` a drafter we cannot build or that would read the wrong features (None: nothing)."""
+    L, ids = c.num_target_layers, list(c.target_layer_ids or [])
+    if c.kind not in BLOCK_KINDS:
+        return f"kind = {c.kind!r} (known: {', '.join(map(repr, BLOCK_KINDS))})"
+    if c.num_hidden_layers < 1:
+        return f"num_hidden_layers = {c.num_hidden_layers}; the backbone has at least one layer"
+    if c.block_size < 2:
+        return f"block_size = {c.block_size}; a block is the anchor and at least one masked slot (block_size >= 2)"
+    if not 0 <= c.mask_token_id < c.vocab_size:
+        return f"mask_token_id = {c.mask_token_id} is outside the target's embedding (rows 0..{c.vocab_size - 1})"
+    if not ids:
+        return "target_layer_ids is empty; the drafter reads at least one target layer"
+    if L - 1 in ids:
+        return (f"target_layer_ids names {L - 1}, the last layer's output, which the target reports after its final "
+                f"norm; use layer outputs 0..{L - 2}")
+    bad = next((k for k in ids if not 0 <= k <= L - 2), None)
+    if bad is not None:
+        return f"target_layer_ids names {bad}, outside 0..{L - 2} (the outputs of a target with {L} layers)"
+    if ids != sorted(set(ids)):
+        return f"target_layer_ids = {ids} {'repeat a layer' if len(set(ids)) < len(ids) else 'are not increasing'}"
+    if c.draft_vocab_size is not None and not 1 <= c.draft_vocab_size <= c.vocab_size:
+        return f"draft_vocab_size = {c.draft_vocab_size}; expected 1..{c.vocab_size} (the target's vocabulary)"
+    if c.markov_rank < 0:
+        return f"markov_rank = {c.markov_rank}; expected >= 0 (0: no Markov head)"
+    if c.kind == "dflash" and (c.markov_rank or c.enable_confidence_head):
+        return "a DFlash drafter has no Markov or confidence head (markov_rank 0, enable_confidence_head false)"
+    return None
+
+
+def check_config(c: BlockDrafterConfig, where: str) -> None:
+    problem = config_problem(c)
+    if problem:
+        raise SpecdrafterError(f"{where}: {problem}")
+
+
+def default_target_layer_ids(num_layers: int, count: int = 5) -> List[int]:
+    """round(linspace(1, L − 3, count)) as layer outputs (Python's round, half to even, as the upstream trainers'):
+    [1, 8, 14, 20, 27] for SmolLM2's 30 layers. Never the last layer's output."""
+    span = num_layers - 4
+    ids = [round(1 + i * span / (count - 1)) for i in range(count)] if count > 1 else [1]
+    if span < 0 or len(set(ids)) < count:
+        raise SpecdrafterError(f"a target with {num_layers} layers has no {count} distinct default feature layers "
+                               f"between 1 and L − 3; pass target_layer_ids")
+    return ids
+
+
+def block_config(target_config, kind: str, num_layers: int = 1, block_size: int = 16,
+                 target_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
+                 markov_rank: Optional[int] = None, enable_confidence_head: Optional[bool] = None,
+                 draft_vocab_size: int = 0, num_features: int = 5) -> BlockDrafterConfig:
+    """A block drafter of `num_layers` layers with the target's dimensions. target_layer_ids: layer outputs (None:
+    `default_target_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the kind's own (DSpark
+    256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary."""
+    t = target_config
+    L = t.num_hidden_layers
+    if kind not in BLOCK_KINDS:
+        raise SpecdrafterError(f"block drafter kind {kind!r} (known: {', '.join(map(repr, BLOCK_KINDS))})")
+    dspark = kind == "dspark"
+    config = BlockDrafterConfig(
+        architectures=[ARCHITECTURES[kind]], kind=kind, num_hidden_layers=num_layers, hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, hidden_act=t.hidden_act,
+        rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(t.rope_parameters),
+        max_position_embeddings=t.max_position_embeddings, initializer_range=t.initializer_range,
+        vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size or None, block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+            L, num_features),
+        num_target_layers=L, target_hidden_size=t.hidden_size,
+        markov_rank=(DEFAULT_MARKOV_RANK if dspark else 0) if markov_rank is None else markov_rank,
+        enable_confidence_head=dspark if enable_confidence_head is None else enable_confidence_head,
+        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None))
+    check_config(config, "block drafter config")
+    return config
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, heads, n, hd] with cos, sin [B, n, hd] of its positions."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class BlockAttention(nn.Module):
+    """Qwen3 attention whose keys and values are the context's (computed once, `keys_values` of H) followed by the
+    block's own; the queries are the block's."""
+
+    def __init__(self, config: BlockDrafterConfig):
+        super().__init__()
+        d, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, rope: KV) -> KV:
+        """k-normed, rotated keys and the values of x [B, n, d]: [B, kvh, n, hd] each."""
+        B, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, kvh, n, hd]
+        v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, n, hd]
+        return _rotate(k, *rope), v
+
+    def forward(self, x: torch.Tensor, rope: KV, context: KV, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        B, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, n, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, h, n, hd]
+        k, v = self.keys_values(x, rope)
+        k = torch.cat([context[0], k], dim=2)  # [B, kvh, T + n, hd]
+        v = torch.cat([context[1], v], dim=2)  # [B, kvh, T + n, hd]
+        out = F.scaled_dot_product_attention(_rotate(q, *rope), k, v, attn_mask=mask,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)  # [B, h, n, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, -1))  # [B, n, d]
+
+
+class BlockDecoderLayer(nn.Module):
+    def __init__(self, config: BlockDrafterConfig):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = BlockAttention(config)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, h: torch.Tensor, rope: KV, context: KV, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, context, mask)  # [B, n, d]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """logits += W2(W1[prev]): a rank-r bigram correction from the previous token. W1 [V, r] is indexed by target
+    ids (the anchor, the drafts); W2: r → Vd writes over the draft vocabulary."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    """The logit of c_j, σ of which estimates whether draft j will be accepted, from [h_j ; W1[prev_j]]."""
+
+    def __init__(self, input_size: int):
+        super().__init__()
+        self.proj = nn.Linear(input_size, 1)
+
+
+@dataclass
+class BlockDrafts:
+    """What a block drafter says about its γ drafts per block; draft j predicts x_{a+1+j}."""
+    logits: torch.Tensor  # [..., γ, Vd] over the draft vocabulary
+    hidden: torch.Tensor  # [..., γ, d] the final-norm hidden states they come from
+    confidence: Optional[torch.Tensor] = None  # [..., γ] confidence logits (c = σ of them), DSpark's head only
+
+
+@dataclass
+class ContextCache:
+    """Per-layer keys (k-normed, rotated) and values of the fused context at positions 0..length−1, [B, kvh, T, hd]
+    each. A block's own keys are never stored, so each cycle only adds the newly committed positions."""
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def context(self, layer: int) -> KV:
+        return self.keys[layer], self.values[layer]
+
+
+def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """bool [B, 1, N·S, T + N·S], True = may attend, for N blocks per sequence at `anchors` [B, N] over a context of
+    T positions. The context is masked by position: block b sees positions < anchors[b]. Its own slots are found by
+    block index, not position — overlapping blocks share positions, and a positional rule would let one block see
+    another's slots."""
+    B, N = anchors.shape
+    S, device = block_size, anchors.device
+    sees_context = torch.arange(context_len, device=device) < anchors[..., None]  # [B, N, T]
+    sees_context = sees_context[:, :, None].expand(B, N, S, context_len).reshape(B, N * S, context_len)
+    block_of = torch.arange(N, device=device).repeat_interleave(S)  # [N·S] the block of each slot
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(B, N * S, N * S)  # [B, N·S, N·S]
+    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+
+def token_windows(tokens: torch.Tensor, anchors: torch.Tensor, offset: int, width: int, fill: int) -> torch.Tensor:
+    """tokens[b, anchors[b, n] + offset + i] for i < width, `fill` past the end: [B, N, width] from tokens [B, T]."""
+    T = tokens.shape[1]
+    at = anchors[..., None] + offset + torch.arange(width, device=anchors.device)  # [B, N, width]
+    picked = tokens.gather(1, at.clamp(max=T - 1).flatten(1)).view_as(at)  # [B, N, width]
+    return picked.masked_fill(at >= T, fill)
+
+
+class BlockDrafter(nn.Module):
+    def __init__(self, config: BlockDrafterConfig):
+        super().__init__()
+        check_config(config, "block drafter config")
+        self.config = config
+        d, V = config.hidden_size, config.vocab_size
+        Vd, r = config.draft_vocab_size or V, config.markov_rank
+        self.layers = nn.ModuleList(BlockDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * (config.target_hidden_size or d), d, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(d, config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(d, config.rms_norm_eps)
+        self.markov_head = MarkovHead(V, Vd, r) if r else None
+        self.confidence_head = ConfidenceHead(d + r) if config.enable_confidence_head else None
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.full((V,), Vd == V))  # the full vocabulary: the identity maps
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """As HF initialises a Qwen3 model: normal(0, initializer_range) weights, zero biases, unit norms."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # ---------------------------------------------------------------------------------------- what it reads
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def num_drafts(self) -> int:
+        """γ: drafts per block."""
+        return self.config.block_size - self._first_slot
+
+    @property
+    def _first_slot(self) -> int:
+        return 1 if self.kind == "dflash" else 0  # DFlash's anchor slot predicts nothing
+
+    @property
+    def feature_layers(self) -> List[int]:
+        """The target features read, as models/features.py ids (the output of layer k is the input to layer k + 1)."""
+        return [k + 1 for k in self.config.target_layer_ids]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target token id of each draft-vocabulary entry, [Vd]."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Prune the vocabulary to `target_ids` [Vd] (increasing target ids): d2t[i] = target_ids[i] − i, t2d marks them."""
+        if target_ids.shape != self.d2t.shape or not bool((target_ids[1:] > target_ids[:-1]).all()):
+            raise SpecdrafterError(f"a draft vocabulary of this drafter is {len(self.d2t)} increasing target ids")
+        self.d2t.copy_(target_ids - torch.arange(len(target_ids), device=target_ids.device))
+        self.t2d.zero_()
+        self.t2d[target_ids] = True
+
+    def context_features(self, captured: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """The concatenated features [B, T, m·d_t] from `capture_features(target, drafter.feature_layers)`."""
+        return torch.cat([captured[k] for k in self.feature_layers], dim=-1)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [..., m·d_t] → [..., d]
+
+    # ------------------------------------------------------------------------------------------ the passes
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, contexts: Sequence[KV],
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        rope = self.rotary_emb(x, positions)
+        for layer, context in zip(self.layers, contexts):
+            x = layer(x, rope, context, mask)
+        return self.norm(x)  # [B, n, d]
+
+    def _context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> List[KV]:
+        """Each layer's keys and values of the fused context [B, T, d] at `positions` [B, T]."""
+        rope = self.rotary_emb(fused, positions)
+        return [layer.self_attn.keys_values(fused, rope) for layer in self.layers]
+
+    def _embed(self, ids: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        return target.get_input_embeddings()(ids).to(self.fc.weight.dtype)  # [..., d]
+
+    def _drafts(self, hidden: torch.Tensor, target: nn.Module) -> BlockDrafts:
+        """The backbone's drafts from the final hidden states of whole blocks [..., S, d]."""
+        hidden = hidden[..., self._first_slot:, :]  # [..., γ, d]
+        lm_head = target.get_output_embeddings()
+        full = len(self.d2t) == self.config.vocab_size
+        weight = lm_head.weight if full else lm_head.weight[self.draft_ids]  # [Vd, d]
+        bias = lm_head.bias if full or lm_head.bias is None else lm_head.bias[self.draft_ids]
+        return BlockDrafts(F.linear(hidden.to(weight.dtype), weight, bias), hidden)  # logits [..., γ, Vd]
+
+    def backbone(self, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor, target: nn.Module,
+                 fused: bool = False) -> BlockDrafts:
+        """All blocks of a batch in one pass, before DSpark's heads. context: features [B, T, m·d_t] (or already
+        fused, [B, T, d], with fused=True) of positions 0..T−1; block_ids [B, N, S] (`block_inputs`); anchors [B, N],
+        the position of each block's first slot. Blocks may overlap; each sees the context before its anchor."""
+        B, N, S = block_ids.shape
+        H = context.to(self.fc.weight.dtype) if fused else self.fuse(context)  # [B, T, d]
+        T = H.shape[1]
+        contexts = self._context_kv(H, torch.arange(T, device=H.device).expand(B, T))
+        positions = (anchors[..., None] + torch.arange(S, device=anchors.device)).reshape(B, N * S)  # [B, N·S]
+        x = self._embed(block_ids.reshape(B, N * S), target)  # [B, N·S, d]
+        hidden = self._layers(x, positions, contexts, block_attention_mask(anchors, T, S))  # [B, N·S, d]
+        return self._drafts(hidden.view(B, N, S, -1), target)
+
+    def heads(self, logits: torch.Tensor, hidden: torch.Tensor,
+              prev: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """DSpark's Markov and confidence heads on backbone drafts: logits [..., Vd], hidden [..., d] and the previous
+        token of each, prev [...] (target ids). Returns (logits [..., Vd], confidence logits [...] or None); DFlash:
+        the logits unchanged."""
+        if self.markov_head is None and self.confidence_head is None:
+            return logits, None
+        if prev is None:
+            raise ValueError("a DSpark drafter's heads need the previous token of each draft (prev)")
+        markov = (self.markov_head.markov_w1(prev) if self.markov_head is not None
+                  else hidden.new_zeros(*prev.shape, 0))  # [..., r]
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.markov_w2(markov).to(logits.dtype)  # [..., Vd]
+        confidence = (self.confidence_head.proj(torch.cat([hidden, markov], dim=-1))[..., 0]
+                      if self.confidence_head is not None else None)  # [...]
+        return logits, confidence
+
+    def forward(self, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor, target: nn.Module,
+                prev_ids: Optional[torch.Tensor] = None, fused: bool = False) -> BlockDrafts:
+        """The training pass: `backbone`, then DSpark's heads teacher-forced on prev_ids [B, N, γ] (`teacher_prev`)."""
+        drafts = self.backbone(context, block_ids, anchors, target, fused)
+        logits, confidence = self.heads(drafts.logits, drafts.hidden, prev_ids)
+        return BlockDrafts(logits, drafts.hidden, confidence)
+
+    # ---------------------------------------------------------------------------------- training inputs
+    def block_inputs(self, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """[B, N, S] blocks [x_a, MASK × (S−1)] of tokens [B, T] at anchors [B, N]."""
+        ids = torch.full((*anchors.shape, self.config.block_size), self.config.mask_token_id, dtype=tokens.dtype,
+                         device=tokens.device)  # [B, N, S]
+        ids[..., 0] = tokens.gather(1, anchors)
+        return ids
+
+    def draft_labels(self, tokens: torch.Tensor, anchors: torch.Tensor, ignore: int = -100) -> torch.Tensor:
+        """[B, N, γ] the tokens the drafts predict, x_{a+1..a+γ}; `ignore` past the end of the sequence."""
+        return token_windows(tokens, anchors, 1, self.num_drafts, ignore)
+
+    def teacher_prev(self, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """[B, N, γ] the true previous token of each draft, x_{a..a+γ−1} (the mask token past the end)."""
+        return token_windows(tokens, anchors, 0, self.num_drafts, self.config.mask_token_id)
+
+    # ------------------------------------------------------------------------------------------ decoding
+    def new_cache(self, batch: int = 1) -> ContextCache:
+        c, p = self.config, self.fc.weight
+        empty = [p.new_zeros(batch, c.num_key_value_heads, 0, c.head_dim) for _ in self.layers]
+        return ContextCache(keys=list(empty), values=list(empty))
+
+    def extend_context(self, cache: ContextCache, context: torch.Tensor, fused: bool = False) -> None:
+        """Add the features [B, n, m·d_t] (or fused [B, n, d]) of the next n committed positions to the cache."""
+        H = context.to(self.fc.weight.dtype) if fused else self.fuse(context)  # [B, n, d]
+        B, n, _ = H.shape
+        positions = (cache.length + torch.arange(n, device=H.device)).expand(B, n)  # [B, n]
+        for layer, (k, v) in enumerate(self._context_kv(H, positions)):
+            cache.keys[layer] = torch.cat([cache.keys[layer], k], dim=2)  # [B, kvh, T + n, hd]
+            cache.values[layer] = torch.cat([cache.values[layer], v], dim=2)
+
+    def draft_block(self, cache: ContextCache, anchor_ids: torch.Tensor, target: nn.Module) -> BlockDrafts:
+        """One block at the position after the cached context, from anchor_ids [B] (the newest committed token, whose
+        features the target has not produced yet): the backbone's drafts [B, γ, ...]. DSpark samples draft j from
+        `heads(logits[:, j], hidden[:, j], prev)`, prev being the anchor, then the draft before."""
+        B, S = anchor_ids.shape[0], self.config.block_size
+        ids = torch.full((B, S), self.config.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
+        ids[:, 0] = anchor_ids
+        positions = (cache.length + torch.arange(S, device=ids.device)).expand(B, S)  # [B, S]
+        contexts = [cache.context(layer) for layer in range(len(self.layers))]
+        return self._drafts(self._layers(self._embed(ids, target), positions, contexts, None), target)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def copy_target_layers(drafter: BlockDrafter, target: nn.Module) -> List[str]:
+    """Start the drafter's n layers from the target's last n (drafter layer i ← target layer L − n + i): every tensor
+    the two layers name alike, which must have the same shape. Tensors the target's layers lack (q_norm and k_norm
+    of a Llama target) keep their initial values. Returns the drafter's names copied."""
+    source, n = target.model.layers, len(drafter.layers)
+    if n > len(source):
+        raise SpecdrafterError(f"the drafter has {n} layers, the target only {len(source)} to copy from")
+    copied = []
+    for i, layer in enumerate(drafter.layers):
+        theirs, ours = source[len(source) - n + i].state_dict(), layer.state_dict()
+        shared = [name for name in ours if name in theirs]
+        misfit = next((name for name in shared if theirs[name].shape != ours[name].shape), None)
+        if misfit is not None:
+            raise SpecdrafterError(f"cannot copy target layer {len(source) - n + i} into drafter layer {i}: {misfit} is "
+                                   f"{list(theirs[misfit].shape)} in the target, {list(ours[misfit].shape)} here")
+        layer.load_state_dict({name: theirs[name] for name in shared}, strict=False)
+        copied += [f"layers.{i}.{name}" for name in shared]
+    return copied
+
+
+def block_kind(config: dict) -> Optional[str]:
+    """The block drafter kind a config.json holds (None: not one of ours)."""
+    kind, archs = config.get("kind"), config.get("architectures")
+    return kind if kind in BLOCK_KINDS and isinstance(archs, list) and ARCHITECTURES[kind] in archs else None
+
+
+def save_block_drafter(drafter: BlockDrafter, folder: str | Path) -> Path:
+    """config.json + model.safetensors (without the target's embedding and lm_head), published atomically."""
+    return save_config_and_weights(drafter, Path(folder))
+
+
+def load_block_drafter(folder: str | Path, kind: Optional[str] = None, dtype: torch.dtype = torch.float32) -> BlockDrafter:
+    """The block drafter a folder holds (`kind`: refuse another kind). Anything wrong is one SpecdrafterError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SpecdrafterError(f"could not load the block drafter in {str(folder)!r}: no such folder")
+    problem = json_file_problem(folder / "config.json")
+    if problem:
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r} {problem}")
+    raw = json.loads((folder / "config.json").read_text())
+    found = block_kind(raw)
+    if found is None:
+        raise SpecdrafterError(f"{str(folder)!r} is not a block drafter folder (architectures: "
+                               f"{raw.get('architectures')}, kind: {raw.get('kind')!r})")
+    if kind is not None and found != kind:
+        raise SpecdrafterError(f"{str(folder)!r} holds a {found} drafter, not a {kind} one")
+    weights = read_safetensors(folder / "model.safetensors")
+    try:
+        config = BlockDrafterConfig.from_dict(raw)
+    except (StrictDataclassError, TypeError, ValueError) as e:  # a value of another type than the field's
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r}: {' '.join(str(e).split())[:200]}") from None
+    check_config(config, repr(str(folder / "config.json")))
+    drafter = BlockDrafter(config)
+    expected = set(drafter.state_dict())
+    missing, unknown = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unknown:
+        parts = ([f"missing {', '.join(missing[:4])}"] if missing else []) + (
+            [f"{', '.join(unknown[:4])} not in a {found} drafter"] if unknown else [])
+        raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit its config.json: {'; '.join(parts)}")
+    try:
+        drafter.load_state_dict(weights)
+    except RuntimeError as e:  # a tensor of another shape than config.json describes
+        raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit its config.json: "
+                               f"{' '.join(str(e).split())[:200]}") from None
+    return drafter.to(dtype).eval()
