@@ -156,7 +156,7 @@ def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_p
     (c,) = data["cells"]  # the job's first and last lines: the recipe it saved, the headline and the report
     assert caplog.messages[0] == f"recipe: {out / 'recipe.yaml'}" and (out / "recipe.yaml").is_file()
     assert caplog.messages[-1] == (f"evaluation: 1 cell; step-000002, mtbench T=0 chain: τ {c['tau']:.2f}, "
-                                   f"α {c['alpha']:.3f}, speedup {c['speedup']:.2f}× → {out / 'report.md'}")
+                                   f"α {c['alpha']:.3f}, speedup {c['speedup_drift_corrected']:.2f}× → {out / 'report.md'}")
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     with pytest.raises(SpecdrafterError, match="max_new_tokens"):
