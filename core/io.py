@@ -218,8 +218,8 @@ def write_checkpoint_state(folder: Path, state: dict) -> Path:
 
 def checkpoint_problem(folder: Path, only: Sequence[str] = ("",)) -> Optional[str]:
     """Why a complete checkpoint cannot be trusted, or None. Verifies trainer_state.json against itself and the
-    files whose relative paths start with one of `only` (default: all). A checkpoint written before checksums were
-    recorded (no files / state_sha256) is trusted as it is."""
+    files whose relative paths start with one of `only` (default: all). A trainer_state.json without checksums (no
+    files / state_sha256: an export's, whose folder is not the checkpoint's) is trusted as it is."""
     try:
         state = json.loads((Path(folder) / TRAINER_STATE).read_bytes().decode())
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -594,8 +594,8 @@ def generate_dataset(cfg: DictConfig) -> dict:
         "hidden_state_layers": layer_ids,
     }
     atomic_write_json(out / "stats.json", stats)
-    log.info(f"dataset: {stats['conversations']} conversations, {stats['tokens']} tokens "
-             f"({stats['response_tokens']} from the target) in {len(shards)} shards → {out}")
+    log.info(f"data: {stats['conversations']} conversations, {stats['tokens']:,} tokens ({stats['response_tokens']:,} "
+             f"target tokens) in {len(shards)} shards → {out}")
     return stats
 
 

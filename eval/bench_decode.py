@@ -39,7 +39,7 @@ from specdrafter.eval.report import machine_line
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate
-from specdrafter.inference.run import block_length, build_proposer, load_serving_target
+from specdrafter.inference.run import block_tuner, build_proposer, load_serving_target
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.kinds import KINDS, ArmSpec, Kind, drafter_path
 
@@ -139,11 +139,12 @@ def hf_decoder(setup: Setup, draft=None) -> Decode:
 
 def chain_decoder(setup: Setup, proposer, asd: Optional[ASDSettings] = None) -> Decode:
     """Our chain loop; at k = auto one tuner per arm, calibrated before any timing, learning across its prompts."""
-    block = block_length(setup.inference)
-    if not isinstance(block, int):
-        block.calibrate(setup.target, [1] * 16)
+    tuner = block_tuner(setup.inference)
+    if tuner is not None:
+        tuner.calibrate(setup.target, [1] * 16)
+    k = tuner or setup.inference.k
     return lambda prompt, t, g: speculative_generate(setup.target, proposer, prompt, setup.max_new_tokens,
-                                                     setup.sampling(t), block, setup.eos, asd, g)
+                                                     setup.sampling(t), k, setup.eos, asd, g)
 
 
 def tree_decoder(setup: Setup, proposer) -> Decode:

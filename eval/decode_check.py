@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.decode import alpha_per_token, speculative_generate
-from specdrafter.inference.run import block_length, build_proposer
+from specdrafter.inference.run import block_tuner, build_proposer
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.kinds import kind_of
 
@@ -29,7 +29,7 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     serving = kind_of(c).serving_target(folder, target)
     proposer = build_proposer(c, serving)  # the drafter in the target's dtype, beside it on its device
     eos = eos_token_ids(target, tokenizer)
-    k = block_length(c.inference)
+    k = block_tuner(c.inference) or c.inference.k
     tokens, cycles = 0, []
     for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, MAX_PROMPTS)]:
         prompt = user_prompt_ids(tokenizer, record["turns"][0])

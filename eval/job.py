@@ -76,6 +76,7 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
+from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (
@@ -84,6 +85,7 @@ from specdrafter.eval.acceptance import (
     Speedup,
     cycle_metrics,
     range_of,
+    speedup_of,
 )
 from specdrafter.eval.report import write_report
 from specdrafter.inference.autotune import (
@@ -151,7 +153,9 @@ def settings(cfg: DictConfig) -> dict:
             "target": cfg.target.model, "repeats": e.repeats}
 
 
-SETTINGS_ADDED_LATER = {"repeats": 1}  # a results.json from before a knob existed was made at its default
+# Knobs a results.json may lack, at the value it was made with: the scaling curve's early runs (docs/results/scaling.md)
+# are evaluated again, cells skipped, whenever launch/scaling.py rebuilds its report.
+SETTINGS_ADDED_LATER = {"repeats": 1}
 
 
 @dataclass(frozen=True)
@@ -211,13 +215,13 @@ class Results:
 
     def _read(self) -> Optional[dict]:
         """results.json as saved, or None after moving a damaged one aside (results.json.damaged): its checksum of
-        itself does not match, or it is not JSON. Files written before the checksum are trusted if they parse."""
+        itself is missing or does not match, or it is not JSON."""
         try:
             data = json.loads(self.path.read_bytes().decode())
             problem = None if isinstance(data, dict) else "not a JSON object"
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             data, problem = None, f"not valid JSON: {first_line(e)}"
-        if problem is None and "sha256" in data and data.pop("sha256") != json_digest(data):
+        if problem is None and data.pop("sha256", None) != json_digest(data):
             problem = "it does not match its checksum"
         if problem is None:
             return data
@@ -259,6 +263,7 @@ def run_eval(cfg: DictConfig) -> Path:
     sets = load_sets(e)
     out = default_output_dir(cfg, checkpoints)
     (out / "outputs").mkdir(parents=True, exist_ok=True)
+    save_recipe(cfg, out)
     results = Results(out, cfg)
     verifiers = [v.value for v in e.verifiers]
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
@@ -302,7 +307,19 @@ def run_eval(cfg: DictConfig) -> Path:
     write_report(results.data, out)
     if e.wandb:
         _log_wandb(cfg, results.data, out)
+    log.info(closing_line(results.data, checkpoints[-1].name, out))
     return out
+
+
+def closing_line(data: dict, newest: str, out: Path) -> str:
+    """The job's last line: the cells, the headline of the newest checkpoint (its first cell: the first set, temperature
+    and verifier) and where the report is."""
+    first = next((c for c in data["cells"] if c["checkpoint"] == newest and not c["sweep"]), None)
+    speedup = speedup_of(first) if first else None
+    headline = (f"; {newest}, {first['set']} T={first['temperature']:g} {first['verifier']}: τ {first['tau']:.2f}, "
+                f"α {first['alpha']:.3f}" + (f", speedup {speedup.value:.2f}×" if speedup else "") if first else "")
+    n = len(data["cells"])
+    return f"evaluation: {n} cell{'s' * (n != 1)}{headline} → {out / 'report.md'}"
 
 
 def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int], todo: List[Cell]) -> None:
@@ -326,8 +343,8 @@ def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int
 
 
 def machine_costs(machine: dict) -> PassCosts:
-    """results.json's "machine" as the tuners and predictions use it (a file without the raw medians or the
-    spread, from before they were recorded: its v is fitted monotone now and its spread is unknown)."""
+    """results.json's "machine" as the tuners and predictions use it. A file with only the fitted v (the scaling
+    curve's early runs, read again when launch/scaling.py rebuilds its report) gets v as its raw medians and no spread."""
     raw = machine.get("v_raw") or machine.get("v") or {"1": 1.0}
     return PassCosts(machine.get("target_step_s", 0.0), {int(n): x for n, x in raw.items()},
                      {int(n): x for n, x in machine.get("v_spread", {}).items()}, machine.get("target_step_spread", 0.0),
@@ -570,13 +587,9 @@ def _log_wandb(cfg: DictConfig, data: dict, out: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     """`python -m specdrafter.eval.job RECIPE.yaml checkpoint=X [eval.*=...]` (launch/eval_acceptance.py);
     `checkpoint=X` is short for eval.checkpoint=X."""
-    def evaluate(cfg: DictConfig) -> None:
-        out = run_eval(cfg)
-        print(f"results: {out / 'results.json'}\nreport: {out / 'report.md'}")
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    cli(evaluate, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
+    cli(run_eval, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
 
 
 if __name__ == "__main__":

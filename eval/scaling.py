@@ -33,7 +33,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from specdrafter.core.cli import cli  # noqa: E402
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
+from specdrafter.core.recipe import save_recipe  # noqa: E402
 from specdrafter.eval.acceptance import speedup_of  # noqa: E402
+from specdrafter.train.plan import check_against_target  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -89,12 +91,11 @@ def summarise(results: Path) -> Dict[str, dict]:
 def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
     out = Path(cfg.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    save_recipe(cfg, out)
     s = cfg.scaling
     main_source = cfg.data.responses.value
     if main_source == "mix":
         raise SpecdrafterError("recipe key 'data.responses': a scaling curve needs one source (target or dataset), not mix")
-    if not s.budgets or any(b <= 0 for b in s.budgets):
-        raise SpecdrafterError(f"recipe key 'scaling.budgets' must list positive token counts, got {list(s.budgets)}")
     other = "target" if main_source == "dataset" else "dataset"
     runs = [(main_source, b) for b in sorted(s.budgets)]
     if s.compare_budget:
@@ -122,6 +123,7 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
                                 "cells": summarise(run_dir / "eval" / "results.json")}
         atomic_write_json(report_path, report)
         write_scaling_report(report, out)
+    log.info(f"scaling: {len(report['runs'])} runs trained and evaluated ({', '.join(report['runs'])}) → {out / 'scaling.md'}")
     return out
 
 
@@ -224,11 +226,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
 
     def curve(cfg: DictConfig) -> None:
-        out = run_scaling(cfg, argv[0], [a for a in argv[1:] if "=" in a])
-        print(f"report: {out / 'scaling.md'}")
+        run_scaling(cfg, argv[0], [a for a in argv[1:] if "=" in a])
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli(curve, argv)
+    cli(curve, argv, check=check_against_target)  # before the first data job: what would stop its trainings
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-
              "hf-draft": "transformers"}
 BUILTIN_DIRS = {"smollm2-135m-instruct": SMOLLM2_DIR}  # built-in target → its converted folder (data/assets.py)
 MEDUSA_REPO_HEADS = 5  # the Medusa repo's MedusaModel.from_pretrained builds this many heads whatever the config says
-ENGINES = {  # --format → the engine versions known to load it (their own code on CPU; issue 15), for the model card
+ENGINES = {  # --format → the engine versions known to load it (their own code on CPU: launch/conformance.py), for the model card
     "vllm": "vLLM 0.32.0 and 0.33.0 load this folder unchanged (other versions are not checked)",
     "sglang": ("SGLang 0.5.23 loads this folder unchanged: its weight loader maps every tensor (checked on CPU; its "
                "module needs CUDA and was not built; other versions are not checked)"),

@@ -108,7 +108,8 @@ def self_draft(target: nn.Module, num_layers: int) -> nn.Module:
     `assistant_model=` in transformers' assisted generation."""
     layers = target.model.layers
     if not 1 <= num_layers <= len(layers):
-        raise SpecdrafterError(f"self-draft num_layers must be in 1..{len(layers)}, got {num_layers}")
+        raise SpecdrafterError(f"recipe key 'drafter.num_layers': a self-draft is the target's first 1..{len(layers)} "
+                               f"layers, got {num_layers}")
     config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": num_layers})
     with torch.device("meta"):
         draft = AutoModelForCausalLM.from_config(config)

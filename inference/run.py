@@ -7,13 +7,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional
 
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
+from specdrafter.core.recipe import DrafterKind, load_saved_recipe, read_yaml, save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.autotune import BlockLengthTuner
@@ -28,8 +30,8 @@ from specdrafter.inference.decode import (
 )
 from specdrafter.inference.medusa import typical_generate
 from specdrafter.inference.sampling import SamplingParams
-from specdrafter.inference.tree import tree_from_choices
-from specdrafter.kinds import drafter_path, kind_of
+from specdrafter.kinds import KINDS, drafter_path, kind_of
+from specdrafter.recipes import RECIPES_DIR
 
 log = logging.getLogger("specdrafter")
 
@@ -42,10 +44,65 @@ def load_serving_target(cfg: DictConfig):
     return kind_of(cfg).serving_target(Path(path) if path else None, target), tokenizer
 
 
-def block_length(inference: DictConfig) -> Union[int, BlockLengthTuner]:
-    """inference.k as the loop takes it: a number, or a tuner for `auto` (keep one per stream of requests: it
-    learns from every cycle)."""
-    return BlockLengthTuner(inference.k_max) if inference.k == "auto" else inference.k
+def block_tuner(inference: DictConfig) -> Optional[BlockLengthTuner]:
+    """The tuner that picks every cycle's block length for inference.k = auto (keep one per stream of requests: it
+    learns from every cycle), or None: inference.k is the block length."""
+    return BlockLengthTuner(inference.k_max) if inference.k == "auto" else None
+
+
+@dataclass
+class ChosenDrafter:
+    cfg: DictConfig  # the recipe as it decodes: drafter.kind and drafter.path of the drafter chosen
+    line: str  # which drafter, in one line
+
+
+def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
+    """The drafter a decoding job uses: drafter.path when set; else the newest checkpoint of drafter.run once it holds
+    one trained for target.model that decodes what the recipe asks (its kind replaces drafter.kind); else
+    drafter.kind, saying why and what trains the one drafter.run names."""
+    dr = cfg.drafter
+    if dr.path or not dr.run:
+        return ChosenDrafter(cfg, f"drafter: {_described(cfg)}")
+    try:
+        newest = _newest_trained(cfg)
+    except SpecdrafterError as why:
+        return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: {why}{_trainer_of(dr.run)}")
+    chosen = cfg.copy()
+    chosen.drafter.kind, chosen.drafter.path = DrafterKind(newest.state["drafter"]), str(newest.drafter)
+    try:
+        kind_of(chosen).check_recipe(chosen)  # e.g. a static tree, which an EAGLE-3 head does not draft
+    except SpecdrafterError as why:
+        return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: the newest checkpoint of drafter.run {dr.run} holds "
+                                  f"{kind_of(chosen).description}, which cannot decode this recipe ({why})")
+    return ChosenDrafter(chosen, f"drafter: {_described(chosen)} (the newest checkpoint of drafter.run {dr.run})")
+
+
+def _described(cfg: DictConfig) -> str:
+    kind = kind_of(cfg)
+    return f"{kind.description}, {cfg.drafter.path}" if cfg.drafter.path else f"{kind.description} (drafter.kind={kind.name})"
+
+
+def _newest_trained(cfg: DictConfig) -> Checkpoint:
+    """drafter.run's newest checkpoint, when it holds a drafter of a known kind trained for target.model; else a
+    SpecdrafterError saying why not."""
+    run = cfg.drafter.run
+    if not Path(run).expanduser().exists():
+        raise SpecdrafterError(f"{run} holds no trained drafter yet")
+    newest = find_checkpoints(run)[-1]
+    if newest.state.get("drafter") not in KINDS:
+        raise SpecdrafterError(f"{newest.drafter} has no trainer_state.json naming its drafter kind")
+    trained = load_saved_recipe(newest.recipe).target.model if newest.recipe else None
+    if trained != cfg.target.model:
+        raise SpecdrafterError(f"{run} was trained for target {trained!r}, not {cfg.target.model!r}")
+    return newest
+
+
+def _trainer_of(run: str) -> str:
+    """How to train the drafter a recipe of recipes/ writes to `run` (kinds/: launcher and recipe), or ""."""
+    for kind in [k for k in KINDS.values() if k.recipe and (RECIPES_DIR / k.recipe).is_file()]:
+        if Path(str(read_yaml(RECIPES_DIR / kind.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
+            return f"; python launch/{kind.launcher} recipes/{kind.recipe} trains one there"
+    return ""
 
 
 def build_proposer(cfg: DictConfig, target):
@@ -64,7 +121,7 @@ class DecodeReport:
 
     def summary(self) -> str:
         r = self.result
-        return (f"{len(r.tokens)} tokens in {self.seconds:.2f} s = {len(r.tokens) / self.seconds:.1f} tok/s; "
+        return (f"decode: {len(r.tokens)} tokens in {self.seconds:.2f} s = {len(r.tokens) / self.seconds:.1f} tok/s; "
                 f"τ = {r.tau:.2f} tokens per target pass; α = {r.alpha:.3f} (accepted ÷ draft positions tried)"
                 + (f"; ASD regret {r.asd_regret:.2f}" if r.asd_regret else ""))
 
@@ -78,10 +135,18 @@ class Decoder:
     proposer: object  # inference/proposers.py: a Proposer, or a TreeProposer when the recipe asks for a tree
     eos: List[int]
     generator: torch.Generator
-    block: Union[int, BlockLengthTuner] = field(init=False)  # a tuner (k = auto) learns across the requests
+    tuner: Optional[BlockLengthTuner] = field(init=False)  # a chain at k = auto: learns across the requests
 
     def __post_init__(self):
-        self.block = block_length(self.cfg.inference)
+        inf = self.cfg.inference
+        self.tuner = None if inf.tree or inf.dynamic_tree.total_tokens else block_tuner(inf)
+
+    def calibrate(self, prompt: List[int]) -> None:
+        """Measure the target's pass costs for the tuners (k = auto, an auto-sized dynamic tree) on `prompt` now, so
+        that no request's time includes it (each would otherwise calibrate within its first request)."""
+        for tuner in (self.tuner, getattr(self.proposer, "tuner", None)):
+            if tuner is not None and not tuner.calibrated:
+                tuner.calibrate(self.target, prompt)
 
     def __call__(self, prompt: List[int]) -> GenerationResult:
         """One request: prompt ids → the new tokens and per-cycle statistics."""
@@ -93,18 +158,18 @@ class Decoder:
         if inf.tree or inf.dynamic_tree.total_tokens:
             return tree_speculative_generate(target, self.proposer, prompt, n, params, self.eos, self.generator)
         asd = ASDSettings(**inf.asd) if inf.verifier.value == "asd" else None
-        return speculative_generate(target, self.proposer, prompt, n, params, self.block, self.eos, asd, self.generator)
+        return speculative_generate(target, self.proposer, prompt, n, params, self.tuner or inf.k, self.eos, asd,
+                                    self.generator)
 
 
 def build_decoder(cfg: DictConfig) -> Decoder:
-    inf = cfg.inference
-    if inf.tree:
-        tree_from_choices([list(c) for c in inf.tree])  # a bad tree is one line before anything loads
-    if inf.verifier.value == "asd" and (inf.tree or inf.dynamic_tree.total_tokens):
-        raise SpecdrafterError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[]")
+    """The recipe's decoding, with the drafter resolve_drafter chooses (named in one log line)."""
+    chosen = resolve_drafter(cfg)
+    log.info(chosen.line)
+    cfg = chosen.cfg
     target, tokenizer = load_serving_target(cfg)
     return Decoder(cfg, target, tokenizer, build_proposer(cfg, target), eos_token_ids(target, tokenizer),
-                   torch.Generator().manual_seed(inf.seed))
+                   torch.Generator().manual_seed(cfg.inference.seed))
 
 
 def decode(cfg: DictConfig) -> DecodeReport:
@@ -112,8 +177,10 @@ def decode(cfg: DictConfig) -> DecodeReport:
     if not cfg.inference.prompt.strip():
         raise SpecdrafterError("recipe key 'inference.prompt' is empty")
     decoder = build_decoder(cfg)
+    prompt = user_prompt_ids(decoder.tokenizer, cfg.inference.prompt)
+    decoder.calibrate(prompt)
     start = time.perf_counter()
-    result = decoder(user_prompt_ids(decoder.tokenizer, cfg.inference.prompt))
+    result = decoder(prompt)
     seconds = time.perf_counter() - start
     return DecodeReport(decoder.tokenizer.decode(result.tokens, skip_special_tokens=True), result, seconds)
 
@@ -133,6 +200,7 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
         raise SpecdrafterError(f"recipe key 'inference.prompts': {cfg.inference.prompts!r} holds no prompts")
     out = Path(cfg.output_dir).expanduser() / "decode.jsonl"
     done = _rows_written(out)
+    save_recipe(cfg, out.parent)
     decoder = build_decoder(cfg)
     totals = dict(prompts=len(records), decoded=0, skipped=0, resumed=len(done), **dict.fromkeys(ROW_COUNTS, 0),
                   seconds=0.0)
@@ -142,6 +210,7 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
                 continue
             prompt = user_prompt_ids(decoder.tokenizer, record["turns"][0])  # the loader refuses empty turns
             row = {"id": record["id"], "prompt_tokens": len(prompt)}
+            decoder.calibrate(prompt)  # on the first prompt decoded: its seconds are decoding only
             start = time.perf_counter()
             try:
                 r = decoder(prompt)
@@ -162,12 +231,13 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
             if on_prompt is not None:
                 on_prompt(i)
     totals["alpha"] = acceptance_rate(totals["accepted"], totals["tried"])
+    log.info(file_summary(totals, str(out.parent)))
     return totals
 
 
 def file_summary(totals: dict, out: str) -> str:
-    """decode_file's totals as the prompt-file CLI prints them (the same τ and α as DecodeReport.summary)."""
-    return (f"{totals['decoded']} prompts decoded ({totals['resumed']} already done, {totals['skipped']} skipped): "
+    """decode_file's closing line, from its totals (the same τ and α as DecodeReport.summary)."""
+    return (f"decode: {totals['decoded']} prompts ({totals['resumed']} done before, {totals['skipped']} skipped), "
             f"{totals['tokens']} tokens in {totals['seconds']:.1f} s; τ = {totals['tokens'] / max(totals['passes'], 1):.2f}, "
             f"α = {totals['alpha']:.3f} (accepted ÷ draft positions tried) → {out}/decode.jsonl")
 

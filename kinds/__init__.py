@@ -35,7 +35,7 @@ def kind_of_config(config: dict) -> Optional[Kind]:
 
 
 def check_recipe(cfg: DictConfig) -> None:
-    """The rules that need the kind (core/cli.py runs them with the schema's, before anything loads)."""
+    """The rules that need the kind (core/recipe.py: load_recipe runs them after the schema's, before anything loads)."""
     kind_of(cfg).check_recipe(cfg)
 
 

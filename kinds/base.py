@@ -68,10 +68,12 @@ class Kind:
     def check_recipe(self, cfg: DictConfig) -> None:
         """Cross-field rules the recipe schema cannot express without knowing the kind (RecipeError, one line)."""
         inf, verifiers = cfg.inference, {v.value for v in cfg.eval.verifiers}
-        if not self.typical and (inf.verifier.value == "typical" or "typical" in verifiers):
+        if inf.verifier.value == "typical" or "typical" in verifiers:
             key = "inference.verifier" if inf.verifier.value == "typical" else "eval.verifiers"
-            raise RecipeError(f"recipe key {key!r}: typical acceptance needs Medusa heads (drafter.kind=medusa) and a "
-                              f"static inference.tree; drafter.kind is {self.name}")
+            missing = (f"Medusa heads (drafter.kind=medusa; it is {self.name})" if not self.typical else
+                       None if inf.tree else "a static inference.tree")
+            if missing:
+                raise RecipeError(f"recipe key {key!r}: typical acceptance needs {missing}")
         if inf.tree and "static" not in self.trees:
             raise RecipeError(f"recipe key 'inference.tree': {self.description} drafts dynamic trees; use "
                               "inference.dynamic_tree.total_tokens")

@@ -90,7 +90,11 @@ class DraftModel(Kind):
     def planner_checks(self, cfg, T: Shapes, config_of):
         dr = cfg.drafter
         if not dr.path:
-            return []
+            layers = list(dr.layers) or list(range(dr.num_layers))
+            ok = 1 <= len(layers) <= T.layers and all(0 <= j < T.layers for j in layers)
+            return [(ok, f"draft copies target layers {layers}" if ok else
+                     f"recipe keys 'drafter.layers' / 'drafter.num_layers': the draft copies 1..{T.layers} of the "
+                     f"target's layers 0..{T.layers - 1}, got {layers}")]
         D = Shapes.of(config_of(dr.path))
         ok = D.vocab == T.vocab and (not D.positions or cfg.train.max_length <= D.positions)
         return [(ok, f"draft vocabulary {D.vocab} = {T.vocab}, max_length within its {D.positions} positions" if ok else
@@ -119,6 +123,9 @@ class SelfDraft(DraftModel):
 
     def model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
         return self_draft(target, cfg.drafter.num_layers)
+
+    def planner_checks(self, cfg, T: Shapes, config_of):
+        return []  # nothing is trained; inference/proposers.py: self_draft checks num_layers where it builds one
 
     def conformance_variants(self) -> Dict[str, List[str]]:
         return {}

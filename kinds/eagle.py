@@ -10,7 +10,14 @@ from omegaconf import DictConfig
 
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
 from specdrafter.kinds.base import ArmSpec, Kind, tree_size
-from specdrafter.models.eagle import EAGLE1_ARCH, default_aux_layers, eagle3_layout, load_eagle1, load_eagle3
+from specdrafter.models.eagle import (
+    EAGLE1_ARCH,
+    aux_order_problem,
+    default_aux_layers,
+    eagle3_layout,
+    load_eagle1,
+    load_eagle3,
+)
 from specdrafter.train import memory
 from specdrafter.train.drafters import Eagle1Drafter, Eagle3Drafter
 from specdrafter.train.memory import Shapes
@@ -64,11 +71,14 @@ class Eagle3(Kind):
         e = cfg.drafter.eagle
         aux = list(e.aux_layer_ids) or default_aux_layers(T.layers)
         bad = [k for k in aux if not 0 <= k <= T.layers]
+        default = "" if e.aux_layer_ids else f" (the default for a {T.layers}-layer target)"
+        disorder = aux_order_problem(aux, f"recipe key 'drafter.eagle.aux_layer_ids'{default}")
         Vd = e.draft_vocab_size or T.vocab
         last = cfg.train.max_length + e.ttt_steps - 1  # TTT step j sits at rotary position t + j
         return [(not bad, f"recipe key 'drafter.eagle.aux_layer_ids': layer id {bad[0]} is out of range for a target "
                           f"with {T.layers} layers (valid: 0..{T.layers})" if bad else
                  f"aux layers {aux} within the target's 0..{T.layers}"),
+                (disorder is None, disorder or f"aux layers {aux} distinct, low to high"),
                 (Vd <= T.vocab, f"recipe key 'drafter.eagle.draft_vocab_size' ({Vd}) exceeds the target's vocabulary "
                                 f"of {T.vocab} tokens" if Vd > T.vocab else f"draft vocabulary {Vd} <= {T.vocab}"),
                 (not T.positions or last <= T.positions,

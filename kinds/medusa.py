@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import DictConfig
 
+from specdrafter.core.recipe import RecipeError
 from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, serving_backbone
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
@@ -33,6 +34,12 @@ class Medusa(Kind):
 
     def recognises(self, config: dict) -> bool:
         return medusa_layout(config) is not None
+
+    def check_recipe(self, cfg: DictConfig) -> None:
+        super().check_recipe(cfg)
+        if cfg.drafter.medusa.stage == 2 and cfg.drafter.lora.r == 0:
+            raise RecipeError("recipe key 'drafter.medusa.stage': Medusa-2 fine-tunes the backbone through LoRA; set "
+                              "drafter.lora.r > 0")
 
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return MedusaDrafter(cfg, target, data, tokenizer)

@@ -1,4 +1,4 @@
-"""Conformance run (issue 15): do the engines' own loaders read our exports unchanged? Not part of the test suite.
+"""Conformance run: do the engines' own loaders read our exports unchanged? Not part of the test suite.
 
     python launch/conformance.py [--out runs/conformance] [--reinstall]
 

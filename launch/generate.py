@@ -7,12 +7,12 @@
 import logging
 
 from specdrafter.core.cli import cli
-from specdrafter.inference.run import decode, decode_file, file_summary
+from specdrafter.inference.run import decode, decode_file
 
 
 def main(cfg):
     if cfg.inference.prompts:
-        print(file_summary(decode_file(cfg), cfg.output_dir))
+        decode_file(cfg)
         return
     report = decode(cfg)
     print(report.text)

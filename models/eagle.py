@@ -217,15 +217,22 @@ def full_vocab_maps(head: Eagle3Head, weights: Dict[str, torch.Tensor]) -> Dict[
     return {**identity, **weights}
 
 
-def check_aux_order(ids: Sequence[int], where: str, fix: str = "list three distinct ids, low to high") -> None:
-    """EAGLE-3 aux-layer ids must be distinct and increasing: the engines capture each layer once, in layer order, so
-    `fc` must have been trained on the features in that order (unsorted ids: another order, no error; a repeated
-    id: fc gets too few inputs and the engine crashes)."""
+def aux_order_problem(ids: Sequence[int], where: str, fix: str = "list three distinct ids, low to high") -> Optional[str]:
+    """Why EAGLE-3 aux-layer ids are unusable, or None. They must be distinct and increasing: the engines capture each
+    layer once, in layer order, so `fc` must have been trained on the features in that order (unsorted ids: another
+    order, no error; a repeated id: fc gets too few inputs and the engine crashes)."""
     ids = list(ids)
-    if ids != sorted(set(ids)):
-        what = "repeat a layer" if len(set(ids)) < len(ids) else "are not in increasing order"
-        raise SpecdrafterError(f"{where} = {ids} {what}: engines capture each aux layer once, in layer order, so the "
-                               f"head's fc would read other features than in training; {fix}")
+    if ids == sorted(set(ids)):
+        return None
+    what = "repeat a layer" if len(set(ids)) < len(ids) else "are not in increasing order"
+    return (f"{where} = {ids} {what}: engines capture each aux layer once, in layer order, so the head's fc would read "
+            f"other features than in training; {fix}")
+
+
+def check_aux_order(ids: Sequence[int], where: str, fix: str = "list three distinct ids, low to high") -> None:
+    problem = aux_order_problem(ids, where, fix)
+    if problem:
+        raise SpecdrafterError(problem)
 
 
 def default_aux_layers(num_layers: int) -> List[int]:

@@ -14,7 +14,7 @@ from conftest import tiny_llama_config
 from transformers import LlamaForCausalLM
 
 import specdrafter.eval.job as eval_job
-from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError, json_digest
 from specdrafter.core.recipe import RecipeError, load_recipe
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.eval.job import answer_accuracy, final_number, run_eval
@@ -146,12 +146,17 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
         assert f"]({name})" in report
 
 
-def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_path, tiny_target, run_dir):
+def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_path, tiny_target, run_dir, caplog):
     out = tmp_path / "eval"
-    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.wandb=true",
-                         "eval.verifiers=[chain]", "eval.k_sweep=[]", f"eval.checkpoint={run_dir}/checkpoints/step-000002"))
+    with caplog.at_level("INFO", logger="specdrafter"):
+        run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.wandb=true",
+                             "eval.verifiers=[chain]", "eval.k_sweep=[]", f"eval.checkpoint={run_dir}/checkpoints/step-000002"))
     data = json.loads((out / "results.json").read_text())
     assert [c["id"] for c in data["cells"]] == ["step-000002|mtbench|T=0.0|chain|k=3"]
+    (c,) = data["cells"]  # the job's first and last lines: the recipe it saved, the headline and the report
+    assert caplog.messages[0] == f"recipe: {out / 'recipe.yaml'}" and (out / "recipe.yaml").is_file()
+    assert caplog.messages[-1] == (f"evaluation: 1 cell; step-000002, mtbench T=0 chain: τ {c['tau']:.2f}, "
+                                   f"α {c['alpha']:.3f}, speedup {c['speedup_drift_corrected']:.2f}× → {out / 'report.md'}")
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     with pytest.raises(SpecdrafterError, match="max_new_tokens"):
@@ -202,7 +207,7 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
 
     old = json.loads((once / "results.json").read_text())
     del old["sha256"], old["settings"]["repeats"]  # as written before eval.repeats existed
-    (once / "results.json").write_text(json.dumps(old))
+    (once / "results.json").write_text(json.dumps({**old, "sha256": json_digest(old)}))
     run_eval(eval_recipe(tiny_target, run_dir, once, *args))  # resumes: nothing to do
     assert json.loads((once / "results.json").read_text())["cells"] == list(single.values())  # not re-measured
     with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):

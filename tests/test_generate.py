@@ -129,6 +129,10 @@ def test_kill_9_loses_at_most_the_shard_in_progress(tmp_path, tiny_target, promp
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resuming: {len(done_before)} of 10 shards already done" in done.stderr
+    # what the job says: the recipe.yaml it saved (not the recipe), its progress, one closing line
+    assert f"recipe: {tmp_path / 'recipe.yaml'}\n" in done.stderr and "output_dir:" not in done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("data: 10 conversations, ")
+    assert done.stderr.strip().endswith(f"in 10 shards → {tmp_path}")
     assert len(load_generated(tmp_path)) == 10
     assert not list((tmp_path / "shards").glob(".*.tmp")) and not (tmp_path / "corrupt").exists()
 

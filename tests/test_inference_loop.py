@@ -1,17 +1,22 @@
 """The speculative loop over HF models: greedy output identical to target.generate, the target as its own
 draft accepts everything, cache rollback leaves exactly the committed prefix, bad input is refused."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import REPO, tiny_llama_config
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
-from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError, write_checkpoint_state
 from specdrafter.core.recipe import load_recipe
 from specdrafter.inference.decode import ASDSettings, speculative_generate
 from specdrafter.inference.proposers import DraftModelProposer, check_vocabularies, self_draft
-from specdrafter.inference.run import decode
+from specdrafter.inference.run import build_decoder, decode, resolve_drafter
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
 
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]]
 
@@ -170,3 +175,88 @@ def test_decode_job_from_a_recipe(tmp_path, smollm2_tokenizer):
     cfg.inference.prompt = "   "
     with pytest.raises(SpecdrafterError, match="inference.prompt' is empty"):
         decode(cfg)
+
+
+GENERATE_RECIPE = REPO / "recipes" / "smollm2-135m-generate.yaml"
+
+
+def sharp_target(folder, tokenizer):
+    """An untied, sharpened tiny Llama with SmolLM2's tokenizer, saved in `folder` (a tied random one only repeats the
+    prompt's last token, which any decoder would reproduce)."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(10.0)
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return target
+
+
+def test_the_demo_decodes_with_the_run_once_it_holds_a_drafter_and_says_which(tmp_path, smollm2_tokenizer, caplog):
+    """drafter.run (the generate recipe's main-job run): until it holds a drafter trained for the recipe's target the
+    self-draft decodes, and the job says so and what trains one; then the run's newest checkpoint decodes (here an
+    EAGLE-3 head), named in one line. Greedy decoding stays the target's own continuation either way."""
+    target = sharp_target(tmp_path / "target", smollm2_tokenizer)
+    run = tmp_path / "run"
+    overrides = [f"target.model={tmp_path / 'target'}", "drafter.num_layers=1", "inference.max_new_tokens=8",
+                 "output_dir=unused"]
+    assert resolve_drafter(load_recipe(GENERATE_RECIPE, overrides)).line.endswith(
+        "python launch/train_eagle.py recipes/smollm2-135m-eagle3.yaml trains one there")  # the recipe's own run
+    cfg = load_recipe(GENERATE_RECIPE, [*overrides, f"drafter.run={run}"])
+    with caplog.at_level("INFO", logger="specdrafter"):
+        alone = decode(cfg)
+    assert f"drafter: a self-draft (drafter.kind=self_draft): {run} holds no trained drafter yet" in caplog.messages
+
+    folder = run / "checkpoints" / "step-000004"
+    save_eagle3(Eagle3Head(eagle3_config(target.config, [0, 1, 2], 256)), folder / "drafter")
+    (folder / "recipe.yaml").write_text(f"output_dir: {run}\ntarget:\n  model: {tmp_path / 'target'}\n")
+    write_checkpoint_state(folder, {"step": 4, "tokens": 100, "drafter": "eagle3", "metrics": {}})
+    caplog.clear()
+    with caplog.at_level("INFO", logger="specdrafter"):
+        trained = decode(cfg)
+    assert caplog.messages[0] == f"drafter: an EAGLE-3 head, {folder / 'drafter'} (the newest checkpoint of drafter.run {run})"
+    assert trained.result.tokens == alone.result.tokens and len(set(alone.result.tokens)) > 2
+    cfg.inference.tree = [[0], [1], [0, 0]]  # a static tree: an EAGLE-3 head drafts dynamic ones
+    assert resolve_drafter(cfg).line.startswith(f"drafter: a self-draft (drafter.kind=self_draft): the newest checkpoint of "
+                                                f"drafter.run {run} holds an EAGLE-3 head, which cannot decode this recipe")
+    cfg.inference.tree = []
+
+    (folder / "recipe.yaml").write_text(f"output_dir: {run}\ntarget:\n  model: another-target\n")
+    write_checkpoint_state(folder, {"step": 4, "tokens": 100, "drafter": "eagle3", "metrics": {}})
+    assert resolve_drafter(cfg).line == (f"drafter: a self-draft (drafter.kind=self_draft): {run} was trained for target "
+                                         f"'another-target', not '{tmp_path / 'target'}'")
+
+
+def test_the_block_length_tuner_is_calibrated_before_the_timed_request(tmp_path, smollm2_tokenizer):
+    """k = auto: Decoder.calibrate measures the pass costs once, outside any request's time; the request then uses
+    them as they are (it would otherwise calibrate within its first request, inside decode's timer)."""
+    sharp_target(tmp_path / "target", smollm2_tokenizer)
+    cfg = load_recipe(GENERATE_RECIPE, [f"target.model={tmp_path / 'target'}", "drafter.num_layers=1", "inference.k=auto",
+                                        "inference.max_new_tokens=6", "output_dir=unused", "drafter.run=null"])
+    decoder = build_decoder(cfg)
+    prompt = [1, 504, 3287, 314]
+    assert decoder.tuner is not None and not decoder.tuner.calibrated
+    decoder.calibrate(prompt)
+    costs = decoder.tuner.costs
+    assert sorted(costs.v) == list(range(1, cfg.inference.k_max + 2))
+    decoder(prompt)
+    assert decoder.tuner.costs is costs
+    cfg.inference.k = 3
+    assert build_decoder(cfg).tuner is None  # a fixed block length: nothing to calibrate
+
+
+def test_the_decode_launcher_says_which_drafter_and_not_the_recipe(tmp_path, smollm2_tokenizer):
+    """What the decode job prints by default: the drafter it decodes with, the text, a one-line summary; the resolved
+    recipe only with --print-config."""
+    sharp_target(tmp_path / "target", smollm2_tokenizer)
+    args = [sys.executable, str(REPO / "launch" / "generate.py"), str(GENERATE_RECIPE), f"target.model={tmp_path / 'target'}",
+            "drafter.num_layers=1", "inference.max_new_tokens=4", f"drafter.run={tmp_path / 'run'}"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[0] == (f"drafter: a self-draft (drafter.kind=self_draft): {tmp_path / 'run'} "
+                                                   "holds no trained drafter yet")
+    assert "output_dir:" not in done.stdout + done.stderr  # no recipe
+    text, summary = done.stdout.rstrip("\n").rsplit("\n", 1)
+    assert summary.startswith("decode: ") and "τ =" in summary and text.strip()
+    printed = subprocess.run([*args, "--print-config"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert OmegaConf.create(printed.stdout).drafter.run == str(tmp_path / "run") and "drafter:" not in printed.stderr

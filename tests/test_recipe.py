@@ -13,6 +13,7 @@ from specdrafter.core.recipe import RecipeError, load_recipe
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
+EAGLE_RECIPE = REPO / "recipes" / "smollm2-135m-eagle3.yaml"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -107,6 +108,15 @@ def test_cli_print_config_prints_the_resolved_recipe_and_exits():
     assert done.returncode == 0, done.stderr
     cfg = OmegaConf.create(done.stdout)
     assert cfg.data.seed == 5 and cfg.target.model == "smollm2-135m-instruct"
+
+
+def test_print_config_runs_the_checks_against_the_targets_config(smollm2_dir):
+    """train.max_length beyond the target's positions is refused from its config.json alone, --print-config or not."""
+    done = subprocess.run([sys.executable, str(REPO / "launch" / "train_eagle.py"), str(EAGLE_RECIPE),
+                           "train.max_length=1000000", "--print-config"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["error: recipe key 'train.max_length' (1000000) exceeds the target's "
+                                                "max_position_embeddings (8192)"]
 
 
 GENERATE_RECIPE = REPO / "recipes" / "smollm2-135m-generate.yaml"

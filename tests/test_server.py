@@ -235,7 +235,7 @@ DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
     (["data.engine=server"], "recipe key 'data.servers' must list at least one server URL with data.engine=server"),
     (["data.engine=server", "data.servers=[localhost:8000]"], "'localhost:8000' is not an http(s) URL"),
     (["data.servers=[http://h:8000/v1/chat/completions]"], "base URL"),
-    (["data.concurrency=0"], "recipe key 'data.concurrency' must be positive"),
+    (["data.concurrency=0"], "recipe key 'data.concurrency' must be >= 1"),
 ])
 def test_recipe_rejects_bad_server_settings(overrides, expected):
     with pytest.raises(RecipeError) as e:

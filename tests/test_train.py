@@ -38,6 +38,7 @@ from specdrafter.train.drafters import run_target
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
 from specdrafter.train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
 from specdrafter.train.objectives import Objective
+from specdrafter.train.plan import check_training_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3"}
@@ -679,22 +680,23 @@ def test_llama8b_recipes_validate_and_build_on_a_shrunken_target(tmp_path, name,
 
 # ----------------------------------------------------------------------------------------------- bad input
 def test_aux_layer_out_of_range_and_draft_vocabulary_too_large(tmp_path, peaky_target, data_dir, target):
-    with pytest.raises(SpecdrafterError, match="aux_layer_ids': layer id 9 is out of range for a target with 4 layers"):
-        build_drafter(recipe("eagle3", tmp_path, peaky_target, data_dir, "drafter.eagle.aux_layer_ids=[1,2,9]"), target)
-    with pytest.raises(RecipeError, match="aux_layer_ids' needs three layer ids"):
+    """Refused from the target's config.json alone, before any weights load."""
+    with pytest.raises(RecipeError, match="aux_layer_ids': layer id 9 is out of range for a target with 4 layers"):
+        check_training_recipe(recipe("eagle3", tmp_path, peaky_target, data_dir, "drafter.eagle.aux_layer_ids=[1,2,9]"))
+    with pytest.raises(RecipeError, match="aux_layer_ids' must be three layer ids"):
         recipe("eagle3", tmp_path, peaky_target, data_dir, "drafter.eagle.aux_layer_ids=[1,2]")
     V = target.config.vocab_size
-    with pytest.raises(SpecdrafterError, match=f"draft_vocab_size' \\({V + 1}\\) exceeds the target's vocabulary of {V}"):
-        build_drafter(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.draft_vocab_size={V + 1}"), target)
+    with pytest.raises(RecipeError, match=f"draft_vocab_size' \\({V + 1}\\) exceeds the target's vocabulary of {V}"):
+        check_training_recipe(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.draft_vocab_size={V + 1}"))
 
 
 @pytest.mark.parametrize("ids, message", [
     ("[3,1,2]", r"recipe key 'drafter.eagle.aux_layer_ids' = \[3, 1, 2\] are not in increasing order"),
     ("[1,1,3]", r"recipe key 'drafter.eagle.aux_layer_ids' = \[1, 1, 3\] repeat a layer"),
     ("[]", r"recipe key 'drafter.eagle.aux_layer_ids' \(the default for a 4-layer target\) = \[2, 2, 1\] repeat a layer")])
-def test_aux_layer_ids_out_of_order_or_repeated_are_refused(tmp_path, ids, message, peaky_target, data_dir, target):
-    with pytest.raises(SpecdrafterError, match=message + ": engines capture each aux layer once, in layer order") as e:
-        build_drafter(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.aux_layer_ids={ids}"), target)
+def test_aux_layer_ids_out_of_order_or_repeated_are_refused(tmp_path, ids, message, peaky_target, data_dir):
+    with pytest.raises(RecipeError, match=message + ": engines capture each aux layer once, in layer order") as e:
+        check_training_recipe(recipe("eagle3", tmp_path, peaky_target, data_dir, f"drafter.eagle.aux_layer_ids={ids}"))
     assert "\n" not in str(e.value)
 
 

@@ -26,13 +26,12 @@ from specdrafter.core.io import SpecdrafterError, check_model_folder, publish_di
 from specdrafter.models.eagle import (
     Eagle1Head,
     Eagle3Head,
-    check_aux_order,
     default_aux_layers,
     eagle1_config,
     eagle3_config,
     save_eagle3,
 )
-from specdrafter.models.features import capture_features, check_layer_ids
+from specdrafter.models.features import capture_features
 from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from specdrafter.train.batches import Batch
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test
@@ -178,20 +177,11 @@ class DraftModelDrafter:
                 draft_tokenizer = AutoTokenizer.from_pretrained(dr.path)
             except (OSError, ValueError, TypeError):
                 draft_tokenizer = None  # a weights-only folder: only the vocabulary size can be compared
-            if module.config.vocab_size != target.config.vocab_size:
-                raise SpecdrafterError(f"draft model {dr.path!r} has a vocabulary of {module.config.vocab_size} tokens, "
-                                       f"the target {target.config.vocab_size}: it must share the target's tokenizer")
             if tokenizer is not None and draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise SpecdrafterError(f"draft model {dr.path!r} has another tokenizer than the target: token ids would "
                                        "not mean the same text")
-        else:
-            L = target.config.num_hidden_layers
-            layers = list(dr.layers) or list(range(dr.num_layers))
-            bad = next((j for j in layers if not 0 <= j < L), None)
-            if bad is not None or not 1 <= len(layers) <= L:
-                raise SpecdrafterError(f"recipe keys 'drafter.layers' / 'drafter.num_layers': the draft copies 1..{L} of the "
-                                       f"target's layers 0..{L - 1}, got {layers}")
-            module = draft_model_from_target(target, layers)
+        else:  # layers within the target's (kinds/draft.py: planner_checks)
+            module = draft_model_from_target(target, list(dr.layers) or list(range(dr.num_layers)))
         self.lora = None
         if dr.lora.r > 0:
             self.lora = LoraConfig(r=dr.lora.r, lora_alpha=dr.lora.alpha, lora_dropout=dr.lora.dropout,
@@ -252,10 +242,7 @@ class MedusaDrafter:
         self.last_layer = target.config.num_hidden_layers
         self.decay, self.heads_weight, self.lora = m.decay, 1.0, None
         self.prediction_names = [f"head{h + 1}" for h in range(m.num_heads)]
-        if m.stage == 2:
-            if lora.r == 0:
-                raise SpecdrafterError("recipe key 'drafter.medusa.stage': Medusa-2 fine-tunes the backbone through LoRA; "
-                                       "set drafter.lora.r > 0")
+        if m.stage == 2:  # with drafter.lora.r > 0 (kinds/medusa.py: check_recipe)
             self.lora = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                    target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
             backbone = draft_model_from_target(target, range(self.last_layer))  # a trainable copy; the target stays frozen
@@ -299,13 +286,7 @@ class Eagle3Drafter:
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         e = cfg.drafter.eagle
         L, V = target.config.num_hidden_layers, target.config.vocab_size
-        aux = list(e.aux_layer_ids) or default_aux_layers(L)
-        check_layer_ids(target, aux, "drafter.eagle.aux_layer_ids")
-        default = "" if e.aux_layer_ids else f" (the default for a {L}-layer target)"
-        check_aux_order(aux, f"recipe key 'drafter.eagle.aux_layer_ids'{default}")
-        if e.draft_vocab_size > V:
-            raise SpecdrafterError(f"recipe key 'drafter.eagle.draft_vocab_size' ({e.draft_vocab_size}) exceeds the "
-                                   f"target's vocabulary of {V} tokens")
+        aux = list(e.aux_layer_ids) or default_aux_layers(L)  # checked against the target: kinds/eagle.py: planner_checks
         vocab = e.draft_vocab_size or V
         head = Eagle3Head(eagle3_config(target.config, aux, vocab)).to(MASTER_DTYPE)
         if vocab < V and data is not None:

@@ -49,13 +49,14 @@ from specdrafter.core.io import (  # noqa: E402
     temp_dir_beside,
     write_checkpoint_state,
 )
-from specdrafter.core.recipe import Recipe, load_saved_recipe  # noqa: E402
+from specdrafter.core.recipe import Recipe, load_saved_recipe, save_recipe  # noqa: E402
 from specdrafter.data.assets import load_target  # noqa: E402
 from specdrafter.eval.decode_check import decode_check  # noqa: E402
 from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
 from specdrafter.train.objectives import Objective  # noqa: E402
+from specdrafter.train.plan import check_training_recipe  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -88,10 +89,10 @@ def release_shm_segment() -> None:
     """Unlink this rank's DeepSpeed CPU all-reduce segment once every rank has mapped it.
 
     DeepSpeed's CPU backend (ranks all on one machine) puts a 67 MB segment per rank in /dev/shm and never
-    unlinks it, so each run, finished or killed, leaves its segments behind in RAM-backed tmpfs (here 200 of
-    them, 14 GB, had piled up and helped the kernel OOM-kill a training run). Every rank maps all peers'
-    segments before `init_distributed` returns, so after a barrier the names can go; the mappings stay valid
-    and the memory is freed when the last rank exits, however it exits."""
+    unlinks it, so each run, finished or killed, would leave its segments behind in RAM-backed tmpfs, run after run,
+    until the machine runs out of memory. Every rank maps all peers' segments before `init_distributed` returns, so
+    after a barrier the names can go; the mappings stay valid and the memory is freed when the last rank exits,
+    however it exits."""
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank())
     segment = Path("/dev/shm") / name
@@ -156,7 +157,7 @@ def acceptance_sums(pred: Prediction, temperature: float) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- checkpoints
 def resume_checkpoint(root: Path, rank: int, world: int) -> Optional[Path]:
     """The newest complete checkpoint whose files match the checksums it recorded. Rank 0 moves a damaged newer one
-    aside (<name>.damaged), one line each; checkpoints written before checksums were recorded resume as they are."""
+    aside (<name>.damaged), one line each; one without checksums resumes unverified (core/io.py: checkpoint_problem)."""
     if rank == 0:
         for line in discard_damaged_checkpoints(root):
             log.warning(line)
@@ -178,18 +179,13 @@ def load_deepspeed_state(engine, folder: Path, what: str = "", module_only: bool
     return state
 
 
-def check_fits_target(tc: DictConfig, config) -> None:
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and tc.max_length > limit:
-        raise SpecdrafterError(f"recipe key 'train.max_length' ({tc.max_length}) exceeds the target's "
-                               f"max_position_embeddings ({limit})")
-
-
 def recipe_differences(saved: DictConfig, cfg: DictConfig) -> List[str]:
     def flat(c):
         return {k: v for k, v in _flatten(OmegaConf.to_container(c, resolve=True, enum_to_str=True)).items()}
     a, b, defaults = flat(saved), flat(cfg), flat(OmegaConf.structured(Recipe))
-    added = {k for k in set(b) - set(a) if b[k] == defaults.get(k)}  # keys a later version added, left at their default
+    # A key the saved recipe lacks, at its default, is no change: the scaling curve's early runs (docs/results/scaling.md)
+    # resume under the schema of every later key whenever launch/scaling.py rebuilds its report.
+    added = {k for k in set(b) - set(a) if b[k] == defaults.get(k)}
     keys = sorted(k for k in (set(a) | set(b)) - added if a.get(k) != b.get(k) and not k.startswith(RESUMABLE_CHANGES))
     return [f"{k} ({a.get(k)!r} → {b.get(k)!r})" for k in keys]
 
@@ -268,8 +264,7 @@ def setup(cfg: DictConfig) -> Run:
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     out = Path(cfg.output_dir).expanduser()
-    if not tc.data_dir:
-        raise SpecdrafterError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
+    check_training_recipe(cfg)  # the launchers ran it already; a recipe built in code has not
 
     resume = resume_checkpoint(out / "checkpoints", rank, world)
     if resume is not None:
@@ -282,7 +277,6 @@ def setup(cfg: DictConfig) -> Run:
     use_bf16 = tc.precision.value == "bf16" or (tc.precision.value == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
-    check_fits_target(tc, target.config)
     target.requires_grad_(False)
     target.to(device)
     layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
@@ -315,7 +309,7 @@ def setup(cfg: DictConfig) -> Run:
         log.info(f"warm start: drafter weights from {warm}")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "recipe.yaml", OmegaConf.to_yaml(cfg))
+        save_recipe(cfg, out)
     return Run(cfg, rank, world, out, device, target, tokenizer, layers, data, drafter, engine, scheduler, per_epoch,
                total, progress, resume, WandbLogger(cfg, out) if rank == 0 else None,
                (time.perf_counter(), progress.tokens))
@@ -381,7 +375,9 @@ def finish(run: Run) -> Dict[str, float]:
         tmp = temp_dir_beside(run.out / "drafter")
         shutil.copytree(run.last_good / "drafter", tmp, dirs_exist_ok=True)
         publish_dir(tmp, run.out / "drafter")
-        log.info(f"drafter of step {run.progress.step}: {run.out / 'drafter'}")
+        alpha = (run.progress.last_metrics or {}).get("alpha/mean")
+        log.info(f"training: {run.cfg.drafter.kind.value}, step {run.progress.step} of {run.total}"
+                 + (f", held-out α̂ {alpha:.3f}" if alpha is not None else "") + f" → {run.out / 'drafter'}")
     if run.logger:
         run.logger.finish()
     return run.progress.last_metrics or {}

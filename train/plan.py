@@ -227,6 +227,22 @@ def _shown(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- launchers
+def check_training_recipe(cfg: DictConfig) -> None:
+    """What a training run checks before anything heavy loads (the launchers also with --print-config): a data job
+    to train on, and `check_against_target`."""
+    if not cfg.train.data_dir:
+        raise RecipeError("recipe key 'train.data_dir' is required: the output_dir of a data job (launch/generate_data.py)")
+    check_against_target(cfg)
+
+
+def check_against_target(cfg: DictConfig) -> None:
+    """The recipe checks that need only the target's config.json (`recipe_checks`: train.max_length, the kind's
+    layers and vocabulary), before any weights load; the first failure is one RecipeError line."""
+    problems = [line for ok, line in recipe_checks(cfg, Shapes.of(target_config(cfg.target.model)), Setup()) if not ok]
+    if problems:
+        raise RecipeError(problems[0])
+
+
 def preflight(cfg: DictConfig) -> Optional[Plan]:
     """The launchers' check before anything heavy loads: on CUDA only (on CPU it does nothing). Refuses a failing
     recipe check or a plan that does not fit in one SpecdrafterError line; rank 0 prints one summary line."""
@@ -264,8 +280,7 @@ def print_plan(cfg: DictConfig, recipe: str, flags: Dict[str, Optional[int]]) ->
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    # the plan is the output: no resolved recipe before it
-    cli(print_plan, argv, flags={"--nodes": 1, "--gpus-per-node": None}, show_recipe=False)
+    cli(print_plan, argv, flags={"--nodes": 1, "--gpus-per-node": None})
 
 
 if __name__ == "__main__":

@@ -22,8 +22,14 @@ Check = Tuple[bool, str]
 
 def recipe_checks(cfg: DictConfig, T: Shapes, s: Setup) -> List[Check]:
     """One line each: (ok, line). Run before anything loads; the launchers refuse the first failure."""
-    kind = kind_of(cfg)
-    out = kind.planner_checks(cfg, T, target_config)
+    kind, out = kind_of(cfg), []
+    if kind.trainable:
+        t = cfg.train
+        fits = not T.positions or t.max_length <= T.positions
+        out.append((fits, f"train.max_length {t.max_length} within the target's {T.positions or 'unbounded'} positions"
+                    if fits else f"recipe key 'train.max_length' ({t.max_length}) exceeds the target's "
+                    f"max_position_embeddings ({T.positions})"))
+    out += kind.planner_checks(cfg, T, target_config)
     if kind.trainable:
         out += _offline_cache_check(cfg, T)
     out.append((s.world >= 1 and s.gpus_per_node >= 1, f"world size {s.world} ({s.nodes} node(s) × {s.gpus_per_node})"))
