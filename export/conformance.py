@@ -112,7 +112,7 @@ def build_and_export(work: Path) -> dict:
         hs = target(ids, output_hidden_states=True).hidden_states  # hs[k] = the input to layer k (our aux-id reading)
     refs, exports = {}, {}
     # every kind's conformance variants (kinds/: conformance_variants), e.g. eagle3-pruned / eagle3-full
-    drafters = {name: (kind, overrides) for kind in KINDS.values() for name, overrides in kind.conformance_variants().items()}
+    drafters = {name: (k, overrides) for k in KINDS.values() for name, overrides in k.conformance_variants().items()}
     for name, (kind, overrides) in drafters.items():
         run = work / "runs" / name
         cfg = load_recipe(RECIPES_DIR / kind.recipe,

@@ -99,9 +99,9 @@ def _newest_trained(cfg: DictConfig) -> Checkpoint:
 
 def _trainer_of(run: str) -> str:
     """How to train the drafter a recipe of recipes/ writes to `run` (kinds/: launcher and recipe), or ""."""
-    for kind in [k for k in KINDS.values() if k.recipe and (RECIPES_DIR / k.recipe).is_file()]:
-        if Path(str(read_yaml(RECIPES_DIR / kind.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
-            return f"; python launch/{kind.launcher} recipes/{kind.recipe} trains one there"
+    for k in [k for k in KINDS.values() if k.recipe and (RECIPES_DIR / k.recipe).is_file()]:
+        if Path(str(read_yaml(RECIPES_DIR / k.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
+            return f"; python launch/{k.launcher} recipes/{k.recipe} trains one there"
     return ""
 
 
