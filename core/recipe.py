@@ -171,6 +171,8 @@ class DrafterKind(Enum):
     medusa = "medusa"  # Medusa heads on the target's last hidden state
     eagle3 = "eagle3"  # an EAGLE-3 head on three target layers
     eagle1 = "eagle1"  # an EAGLE-1 head on the target's last-layer feature
+    dflash = "dflash"  # a block drafter: one pass drafts block_size − 1 tokens from several target layers
+    dspark = "dspark"  # DFlash's backbone drafting block_size tokens, with a Markov head and a confidence head
 
 
 class VerifierKind(Enum):
@@ -211,6 +213,34 @@ class EagleConfig:
     ce_weight: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: weight of the distillation objective
 
 
+class BlockLength(Enum):
+    fixed = "fixed"  # verify every drafted token (up to inference.k)
+    confidence = "confidence"  # DSpark: as many as the confidence head and the measured cost curve say pay
+
+
+@dataclass
+class BlockConfig:
+    """DFlash and DSpark (models/block.py, docs/block-drafters.md)."""
+    num_layers: int = checked(1, AT_LEAST_ONE)  # backbone decoder layers at the target's width
+    block_size: int = checked(8, Rule(lambda v: v >= 2, ">= 2 (the anchor and at least one masked slot)"))
+    # Target layer OUTPUTS read (DFlash's convention: HF hidden_states[k + 1]), increasing, never the last layer's;
+    # empty = round(linspace(1, L − 3, num_features)).
+    target_layer_ids: List[int] = checked([], NON_NEGATIVE)
+    num_features: int = checked(5, AT_LEAST_ONE)
+    # An unused row of the target's embedding that fills the block's masked slots (16: SmolLM2's <empty_output>);
+    # training refuses one that occurs in its data.
+    mask_token_id: int = checked(16, NON_NEGATIVE)
+    anchors: int = checked(32, AT_LEAST_ONE)  # blocks per training sequence (anchor positions sampled uniformly)
+    # Draft j's loss weight is exp(−j / loss_decay) (j = 0 first); 0 = all alike
+    loss_decay: float = checked(4.0, NON_NEGATIVE)
+    markov_rank: int = checked(256, NON_NEGATIVE)  # DSpark's Markov head rank (0: none)
+    confidence_weight: float = checked(1.0, NON_NEGATIVE)  # DSpark: BCE(confidence, 1 − TV) beside the objective
+    draft_vocab_size: int = checked(0, NON_NEGATIVE)  # most frequent target tokens of the data; 0 = full vocabulary
+    init_from_target: bool = True  # start layer i from the target's layer L − n + i (where the tensors fit)
+    # Decoding: how many of the block's drafts each cycle verifies (decided before the target sees them)
+    length: BlockLength = BlockLength.fixed
+
+
 @dataclass
 class DrafterConfig:
     kind: DrafterKind = DrafterKind.self_draft
@@ -227,6 +257,7 @@ class DrafterConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
+    block: BlockConfig = field(default_factory=BlockConfig)
 
 
 class FeatureMode(Enum):

@@ -88,7 +88,7 @@ def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
 
 
 def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], spec: ArmSpec) -> Arm:
-    c = variant(cfg, kind.name, path, **spec.inference)
+    c = variant(cfg, kind.name, path, spec.drafter, **spec.inference)
     if spec.decoder == "hf_assisted":  # HF assisted generation with the draft model itself
         return Arm(spec.name, hf_decoder(setup, kind.model(c, setup.target, drafter_path(c))), spec.label)
     proposer = build_proposer(c, setup.target)
@@ -101,17 +101,18 @@ def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], sp
     return Arm(spec.name, decoder(setup, proposer), spec.label, tree_size=spec.tree_size)
 
 
-def variant(cfg: DictConfig, kind: str, path, **inference) -> DictConfig:
-    """The recipe with drafter `kind` at `path`, no tree unless given, and the `inference` keys set."""
+def variant(cfg: DictConfig, kind: str, path, drafter: Optional[dict] = None, **inference) -> DictConfig:
+    """The recipe with drafter `kind` at `path`, no tree unless given, and the `drafter` and `inference` keys set."""
     c = cfg.copy()
     c.drafter.kind, c.drafter.path = DrafterKind(kind), str(path) if path else None
     c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
-    for key, value in inference.items():
-        if isinstance(value, dict):  # a structured sub-config (dynamic_tree): set its fields one by one
-            for field_name, x in value.items():
-                c.inference[key][field_name] = x
-        else:
-            c.inference[key] = value
+    for section, keys in (("drafter", drafter or {}), ("inference", inference)):
+        for key, value in keys.items():
+            if isinstance(value, dict):  # a structured sub-config (dynamic_tree, block): set its fields one by one
+                for field_name, x in value.items():
+                    c[section][key][field_name] = x
+            else:
+                c[section][key] = value
     return c
 
 
@@ -140,8 +141,9 @@ def hf_decoder(setup: Setup, draft=None) -> Decode:
 def chain_decoder(setup: Setup, proposer, asd: Optional[ASDSettings] = None) -> Decode:
     """Our chain loop; at k = auto one tuner per arm, calibrated before any timing, learning across its prompts."""
     tuner = block_tuner(setup.inference)
-    if tuner is not None:
-        tuner.calibrate(setup.target, [1] * 16)
+    for model in (tuner, getattr(proposer, "tuner", None)):  # k = auto; a block drafter's confidence-sized length
+        if model is not None:
+            model.calibrate(setup.target, [1] * 16)
     k = tuner or setup.inference.k
     return lambda prompt, t, g: speculative_generate(setup.target, proposer, prompt, setup.max_new_tokens,
                                                      setup.sampling(t), k, setup.eos, asd, g)

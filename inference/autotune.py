@@ -343,3 +343,57 @@ class TreeSizeTuner(_PassCostModel):
     def draft_depth(self, limit: int) -> int:
         """How many levels to draft next: one below the deepest node verified lately, at most `limit`."""
         return min(limit, 1 + max(d for d, _ in self.recent)) if self.recent else limit
+
+
+class ConfidenceLength(_PassCostModel):
+    """How many of a block drafter's drafts a cycle verifies (`drafter.block.length: confidence`), from its confidence
+    head: c_j, an estimate of P(draft j accepted | drafts before it accepted), known before draft j is drawn (it reads
+    the previous draft, not draft j).
+
+    Draft j is kept when verifying it is worth it: with the survival s_i = Π_{i'≤i} c_{i'} of the kept drafts, the
+    best E[tokens] / cost over every longer length m ≥ j — the drafts after j assumed as confident as j — beats
+    stopping at j − 1, where E(n) = 1 + Σ_{i≤n} s_i and cost(n) = c + v(n + 1) (c: one block pass ÷ one target
+    step, measured by `update`). The first draft whose keeping does not pay ends the cycle's drafts.
+
+    Exactness: whether draft j is drawn at all depends on drafts 1..j−1 only, so the drafts are a stopped sequence and
+    each one verified is distributed as the q row it is verified with. A rule that also read draft j (or the target's
+    verdict) would bias the output. Until `calibrate` has measured v, every draft is kept."""
+
+    def __init__(self, max_drafts: int, step_costs: CostInput = None, min_noise: float = MIN_NOISE,
+                 draft_cost: Optional[float] = None):
+        self.max_drafts, self.min_noise = max_drafts, min_noise
+        self.draft_s: Deque[float] = deque(maxlen=64)  # seconds of recent block passes
+        self.fixed_draft_cost = draft_cost  # c given instead of measured (a cost model fixed in advance)
+        costs = _as_pass_costs(step_costs)
+        if costs is not None and all(n in costs.v for n in range(1, max_drafts + 2)):
+            self._use(costs)
+
+    def calibrate(self, target, context: Sequence[int], repeats: int = 5) -> None:
+        self._use(measure_pass_costs(target, context, range(1, self.max_drafts + 2), repeats))
+
+    def draft_cost(self) -> float:
+        """c: a block pass ÷ one target step (0 until a cycle has been timed)."""
+        if self.fixed_draft_cost is not None:
+            return self.fixed_draft_cost
+        return statistics.median(self.draft_s) / self.step_s if self.draft_s and self.step_s else 0.0
+
+    def cost(self, n: int) -> float:
+        return pass_cost(self.v, n)
+
+    def keep(self, confidences: Sequence[float]) -> bool:
+        """Whether to draw and verify draft j = len(confidences), given c_1..c_j and that drafts 1..j−1 are kept."""
+        if not self.calibrated:
+            return True
+        j, c = len(confidences), self.draft_cost()
+        survive = math.prod(confidences[:-1])
+        now = expected_tokens(confidences[:-1], j - 1)
+        stop = now / (c + self.cost(j))  # the cycle ends after draft j − 1
+        best, tokens = 0.0, now
+        for m in range(j, self.max_drafts + 1):
+            survive *= confidences[-1]
+            tokens += survive
+            best = max(best, tokens / (c + self.cost(m + 1)))
+        return best > stop * (1 + self.noise)
+
+    def update(self, draft_s: float) -> None:
+        self.draft_s.append(draft_s)

@@ -102,8 +102,9 @@ def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Sequ
     tuner = k if isinstance(k, BlockLengthTuner) else None
     if tuner is None and k < 1:
         raise SpecdrafterError(f"block length k must be >= 1, got {k}")
-    if tuner is not None and not tuner.calibrated:
-        tuner.calibrate(target, prompt_ids)
+    for model in (tuner, getattr(proposer, "tuner", None)):  # v(n) for k = auto, a block drafter's length
+        if model is not None and not model.calibrated:
+            model.calibrate(target, prompt_ids)
     if asd is not None and not params.greedy:
         raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
     taps = proposer.feature_layers  # EAGLE / Medusa read target features; draft models do not
@@ -127,6 +128,7 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos
         t0 = time.perf_counter()
         proposal = proposer.propose(committed, k, params, generator)
         t1 = time.perf_counter()
+        k = len(proposal.tokens)  # a proposer may draft fewer (a block drafter's confidence-sized length)
         ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
         logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0].cpu()  # [k+1, V], verified on the CPU
         t_logits = time.perf_counter()

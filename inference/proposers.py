@@ -42,7 +42,8 @@ class Proposer(Protocol):
 
     def propose(self, committed: List[int], k: int, params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> Proposal:
-        """k draft tokens after `committed` (+ the q rows they were drawn from at T > 0)."""
+        """Up to k draft tokens after `committed` (+ the q rows they were drawn from at T > 0). Drafting fewer is
+        allowed when the choice depends only on the drafts drawn before (a block drafter's confidence)."""
 
     def rollback(self, num_committed: int) -> None:
         """Drop every state beyond the committed prefix of `num_committed` tokens."""

@@ -13,12 +13,14 @@ from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError, check_model_folder
 from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.kinds.block import DFlash, DSpark
 from specdrafter.kinds.draft import DraftModel, SelfDraft
 from specdrafter.kinds.eagle import Eagle1, Eagle3
 from specdrafter.kinds.medusa import Medusa
 
 # In the order a folder's config.json is matched: a draft model (any *ForCausalLM) last.
-KINDS: Dict[str, Kind] = {k.name: k for k in (Eagle3(), Eagle1(), Medusa(), DraftModel(), SelfDraft())}
+KINDS: Dict[str, Kind] = {k.name: k for k in (Eagle3(), Eagle1(), Medusa(), DFlash(), DSpark(), DraftModel(),
+                                               SelfDraft())}
 
 __all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "drafter_path", "check_drafter_folder",
            "build_drafter", "check_recipe", "feature_layers", "trainable_by"]

@@ -31,6 +31,7 @@ class ArmSpec(NamedTuple):
     label: str  # what the report prints beside it (k, tree size)
     decoder: str  # "chain" | "tree" | "typical" | "asd" | "hf_assisted"
     inference: Dict[str, object] = {}  # inference.* keys set on the recipe for this arm (tree, dynamic_tree)
+    drafter: Dict[str, object] = {}  # drafter.<kind section>.* keys, as {"block": {"length": "confidence"}}
     k: object = None  # the chain's block length (a number or "auto"), None for trees
     tree_size: Optional[int] = None  # nodes verified per cycle (trees)
 

@@ -11,7 +11,7 @@ every context position < a — the target has not yet run on x_a when decoding d
 to its own slots. The last hidden states go through `norm` and the target's frozen lm_head (over the draft
 vocabulary when it is pruned: target id = i + d2t[i], as EAGLE-3 does).
 
-The kinds. Draft j (0-based) of a block always predicts x_{a+1+j}:
+The variants. Draft j (0-based) of a block always predicts x_{a+1+j}:
     dflash  slot k predicts x_{a+k}; the anchor slot predicts nothing: γ = B − 1 drafts, from slots 1..B−1
     dspark  label shift, slot k predicts x_{a+k+1}: γ = B drafts, from slots 0..B−1; then a rank-r Markov head,
             logits_j = U_j + W2(W1[prev_j]) with prev_0 = the anchor and prev_j = draft j−1 (the true token in
@@ -46,8 +46,19 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from specdrafter.core.io import SpecdrafterError, json_file_problem, read_safetensors, save_config_and_weights
 
 KV = Tuple[torch.Tensor, torch.Tensor]
-BLOCK_KINDS = ("dflash", "dspark")
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What tells DFlash and DSpark apart in the model (kinds/block.py holds everything else about them)."""
+    name: str  # the config's `variant` and the recipe's drafter.kind
+    architecture: str  # config.json's architectures, as the engines look the class up
+    label_shift: bool  # slot k predicts x_{a+k+1} (DSpark: the anchor slot drafts too), else x_{a+k} (DFlash)
+    heads: bool  # the Markov and confidence heads exist (by default on)
+
+
+VARIANTS = {v.name: v for v in (Variant("dflash", "DFlashDraftModel", label_shift=False, heads=False),
+                                Variant("dspark", "DSparkDraftModel", label_shift=True, heads=True))}
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2's <empty_output>: a special token chat text does not use
 DEFAULT_MARKOV_RANK = 256  # DSpark's; DFlash has no Markov head
 
@@ -56,7 +67,7 @@ DEFAULT_MARKOV_RANK = 256  # DSpark's; DFlash has no Markov head
 class BlockDrafterConfig(Qwen3Config):
     """A Qwen3 config (the backbone's layers) plus the block drafter's own fields. model_type stays "qwen3", the
     layer type the engines build for DFlash."""
-    kind: str = "dflash"  # "dflash" | "dspark"
+    variant: str = "dflash"  # "dflash" | "dspark" (VARIANTS)
     block_size: int = 16  # slots per block: the anchor and block_size − 1 masks
     mask_token_id: int = DEFAULT_MASK_TOKEN_ID  # an unused row of the target's embedding
     target_layer_ids: list[int] | None = None  # target layer outputs read (DFlash's convention), increasing
@@ -70,8 +81,8 @@ class BlockDrafterConfig(Qwen3Config):
 def config_problem(c: BlockDrafterConfig) -> Optional[str]:
     """What makes `c` a drafter we cannot build or that would read the wrong features (None: nothing)."""
     L, ids = c.num_target_layers, list(c.target_layer_ids or [])
-    if c.kind not in BLOCK_KINDS:
-        return f"kind = {c.kind!r} (known: {', '.join(map(repr, BLOCK_KINDS))})"
+    if c.variant not in VARIANTS:
+        return f"variant = {c.variant!r} (known: {', '.join(map(repr, VARIANTS))})"
     if c.num_hidden_layers < 1:
         return f"num_hidden_layers = {c.num_hidden_layers}; the backbone has at least one layer"
     if c.block_size < 2:
@@ -92,7 +103,7 @@ def config_problem(c: BlockDrafterConfig) -> Optional[str]:
         return f"draft_vocab_size = {c.draft_vocab_size}; expected 1..{c.vocab_size} (the target's vocabulary)"
     if c.markov_rank < 0:
         return f"markov_rank = {c.markov_rank}; expected >= 0 (0: no Markov head)"
-    if c.kind == "dflash" and (c.markov_rank or c.enable_confidence_head):
+    if not VARIANTS[c.variant].heads and (c.markov_rank or c.enable_confidence_head):
         return "a DFlash drafter has no Markov or confidence head (markov_rank 0, enable_confidence_head false)"
     return None
 
@@ -114,20 +125,20 @@ def default_target_layer_ids(num_layers: int, count: int = 5) -> List[int]:
     return ids
 
 
-def block_config(target_config, kind: str, num_layers: int = 1, block_size: int = 16,
+def block_config(target_config, variant: str, num_layers: int = 1, block_size: int = 16,
                  target_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
                  markov_rank: Optional[int] = None, enable_confidence_head: Optional[bool] = None,
                  draft_vocab_size: int = 0, num_features: int = 5) -> BlockDrafterConfig:
     """A block drafter of `num_layers` layers with the target's dimensions. target_layer_ids: layer outputs (None:
-    `default_target_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the kind's own (DSpark
+    `default_target_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the variant's own (DSpark
     256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary."""
     t = target_config
     L = t.num_hidden_layers
-    if kind not in BLOCK_KINDS:
-        raise SpecdrafterError(f"block drafter kind {kind!r} (known: {', '.join(map(repr, BLOCK_KINDS))})")
-    dspark = kind == "dspark"
+    if variant not in VARIANTS:
+        raise SpecdrafterError(f"block drafter variant {variant!r} (known: {', '.join(map(repr, VARIANTS))})")
+    heads = VARIANTS[variant].heads
     config = BlockDrafterConfig(
-        architectures=[ARCHITECTURES[kind]], kind=kind, num_hidden_layers=num_layers, hidden_size=t.hidden_size,
+        architectures=[VARIANTS[variant].architecture], variant=variant, num_hidden_layers=num_layers, hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, hidden_act=t.hidden_act,
@@ -138,8 +149,8 @@ def block_config(target_config, kind: str, num_layers: int = 1, block_size: int 
         target_layer_ids=list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
             L, num_features),
         num_target_layers=L, target_hidden_size=t.hidden_size,
-        markov_rank=(DEFAULT_MARKOV_RANK if dspark else 0) if markov_rank is None else markov_rank,
-        enable_confidence_head=dspark if enable_confidence_head is None else enable_confidence_head,
+        markov_rank=(DEFAULT_MARKOV_RANK if heads else 0) if markov_rank is None else markov_rank,
+        enable_confidence_head=heads if enable_confidence_head is None else enable_confidence_head,
         bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None))
     check_config(config, "block drafter config")
     return config
@@ -288,8 +299,8 @@ class BlockDrafter(nn.Module):
 
     # ---------------------------------------------------------------------------------------- what it reads
     @property
-    def kind(self) -> str:
-        return self.config.kind
+    def variant(self) -> str:
+        return self.config.variant
 
     @property
     def num_drafts(self) -> int:
@@ -298,7 +309,7 @@ class BlockDrafter(nn.Module):
 
     @property
     def _first_slot(self) -> int:
-        return 1 if self.kind == "dflash" else 0  # DFlash's anchor slot predicts nothing
+        return 0 if VARIANTS[self.variant].label_shift else 1  # DFlash's anchor slot predicts nothing
 
     @property
     def feature_layers(self) -> List[int]:
@@ -452,10 +463,11 @@ def copy_target_layers(drafter: BlockDrafter, target: nn.Module) -> List[str]:
     return copied
 
 
-def block_kind(config: dict) -> Optional[str]:
-    """The block drafter kind a config.json holds (None: not one of ours)."""
-    kind, archs = config.get("kind"), config.get("architectures")
-    return kind if kind in BLOCK_KINDS and isinstance(archs, list) and ARCHITECTURES[kind] in archs else None
+def block_variant(config: dict) -> Optional[str]:
+    """The block drafter variant a config.json of ours holds (None: not one of ours)."""
+    variant, archs = config.get("variant"), config.get("architectures")
+    known = variant in VARIANTS and isinstance(archs, list) and VARIANTS[variant].architecture in archs
+    return variant if known else None
 
 
 def save_block_drafter(drafter: BlockDrafter, folder: str | Path) -> Path:
@@ -463,8 +475,8 @@ def save_block_drafter(drafter: BlockDrafter, folder: str | Path) -> Path:
     return save_config_and_weights(drafter, Path(folder))
 
 
-def load_block_drafter(folder: str | Path, kind: Optional[str] = None, dtype: torch.dtype = torch.float32) -> BlockDrafter:
-    """The block drafter a folder holds (`kind`: refuse another kind). Anything wrong is one SpecdrafterError."""
+def load_block_drafter(folder: str | Path, variant: Optional[str] = None, dtype: torch.dtype = torch.float32) -> BlockDrafter:
+    """The block drafter a folder holds (`variant`: refuse another). Anything wrong is one SpecdrafterError."""
     folder = Path(folder)
     if not folder.is_dir():
         raise SpecdrafterError(f"could not load the block drafter in {str(folder)!r}: no such folder")
@@ -472,12 +484,12 @@ def load_block_drafter(folder: str | Path, kind: Optional[str] = None, dtype: to
     if problem:
         raise SpecdrafterError(f"{str(folder / 'config.json')!r} {problem}")
     raw = json.loads((folder / "config.json").read_text())
-    found = block_kind(raw)
+    found = block_variant(raw)
     if found is None:
         raise SpecdrafterError(f"{str(folder)!r} is not a block drafter folder (architectures: "
-                               f"{raw.get('architectures')}, kind: {raw.get('kind')!r})")
-    if kind is not None and found != kind:
-        raise SpecdrafterError(f"{str(folder)!r} holds a {found} drafter, not a {kind} one")
+                               f"{raw.get('architectures')}, variant: {raw.get('variant')!r})")
+    if variant is not None and found != variant:
+        raise SpecdrafterError(f"{str(folder)!r} holds a {found} drafter, not a {variant} one")
     weights = read_safetensors(folder / "model.safetensors")
     try:
         config = BlockDrafterConfig.from_dict(raw)

@@ -222,15 +222,15 @@ def test_a_saved_drafter_loads_and_drafts_the_same(tmp_path, target, batch, kind
     drafter.set_draft_vocab(torch.arange(0, 128, 2))
     folder = save_block_drafter(drafter, tmp_path / kind)
     config = json.loads((folder / "config.json").read_text())
-    assert config["kind"] == kind and config["target_layer_ids"] == IDS and config["block_size"] == S
+    assert config["variant"] == kind and config["target_layer_ids"] == IDS and config["block_size"] == S
     assert config["model_type"] == "qwen3" and config["num_target_layers"] == L and config["draft_vocab_size"] == 64
-    loaded = load_block_drafter(folder, kind=kind)
+    loaded = load_block_drafter(folder, variant=kind)
     assert set(loaded.state_dict()) == set(drafter.state_dict())
     a, b = run(drafter, target, *batch), run(loaded, target, *batch)
     torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
     other = "dspark" if kind == "dflash" else "dflash"
     with pytest.raises(SpecdrafterError, match=f"holds a {kind} drafter, not a {other} one"):
-        load_block_drafter(folder, kind=other)
+        load_block_drafter(folder, variant=other)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -251,7 +251,7 @@ def test_bad_settings_are_one_line(target, overrides, message):
     with pytest.raises(SpecdrafterError, match=message) as e:
         block_config(target.config, "dflash", **{**dict(block_size=S, target_layer_ids=IDS), **overrides})
     assert "\n" not in str(e.value)
-    with pytest.raises(SpecdrafterError, match="kind 'medusa'"):
+    with pytest.raises(SpecdrafterError, match="variant 'medusa'"):
         block_config(target.config, "medusa")
 
 

@@ -27,12 +27,16 @@ TINY = ["target.dtype=float32", "train.precision=fp32", "train.features=online",
         "train.max_length=64", "train.micro_batch_size=2", "train.heldout=2", "train.warmup_steps=1", "train.seed=0",
         f"train.max_steps={STEPS}", "train.eval_every=1", f"train.save_every={STEPS}", "train.wandb.mode=disabled",
         "drafter.num_layers=1", "drafter.medusa.num_heads=2", "drafter.eagle.aux_layer_ids=[0,1,2]",
-        "drafter.eagle.draft_vocab_size=256", "drafter.eagle.ttt_steps=2"]
+        "drafter.eagle.draft_vocab_size=256", "drafter.eagle.ttt_steps=2", "drafter.block.num_layers=1",
+        "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0]", "drafter.block.anchors=8",
+        "drafter.block.markov_rank=8", "inference.k=3"]
 RUNS = {  # kind: (recipe, overrides)
     "draft_model": ("smollm2-135m-draft", []),
     "medusa": ("smollm2-135m-medusa", ["drafter.medusa.stage=1"]),
     "eagle3": ("smollm2-135m-eagle3", []),
     "eagle1": ("smollm2-135m-eagle3", ["drafter.kind=eagle1"]),
+    "dflash": ("smollm2-135m-dflash", []),
+    "dspark": ("smollm2-135m-dspark", []),
 }
 # Recorded with this file; without one_thread, OMP_NUM_THREADS=1 and 2 gave these very bits as well.
 EXPECTED = {
@@ -40,6 +44,8 @@ EXPECTED = {
     "medusa": [24.3368, 24.5474, 23.2845],
     "eagle3": [13.2767, 13.1302, 13.7931],
     "eagle1": [1.36815, 1.31366, 1.31618],
+    "dflash": [33.0624, 32.6583, 32.6643],
+    "dspark": [7.56842, 7.46008, 7.46437],
 }
 
 

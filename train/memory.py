@@ -298,3 +298,30 @@ def draft_model(act: Activations, m: MemoryInputs) -> None:
     full_vocab_teacher(act, m)
     causal_lm(act, m, m.counts.draft or m.T)
     prediction(act, m, m.T.vocab)
+
+
+def block(act: Activations, m: MemoryInputs, drafts: int) -> None:
+    """A block drafter (train/block.py): B · anchors blocks of block_size slots through its layers in one pass, each
+    attending over the whole context, and `drafts` predictions of B · anchors rows each. Estimated from the shapes,
+    not yet pinned against a measured run (tests/test_memory.py pins the other kinds)."""
+    b, T, a = m.cfg.drafter.block, m.T, m.a
+    Vd = b.draft_vocab_size or T.vocab
+    if Vd < T.vocab:
+        act.logits += 4 * m.N * Vd + 8 * m.N
+        act.teacher_peak = max(act.teacher_peak, 12 * m.N * min(TEACHER_CHUNK, T.vocab), 2 * m.N * Vd)
+    else:
+        full_vocab_teacher(act, m)
+    blocks = m.B * min(b.anchors, m.L - 1)
+    Q = blocks * b.block_size  # block slots in the pass
+    d, attn, kv = T.hidden, T.heads * T.head_dim, T.kv_heads * T.head_dim
+    per_slot = (24 if a == 4 else 16) * d + 3 * a * attn + 4 * a * kv + 4 * a * T.intermediate
+    context = m.N * 2 * kv * a  # every layer's context keys and values
+    scores = m.B * T.heads * (Q // m.B) * (m.L + Q // m.B) * (a + 1)  # attention weights and the mask, per layer
+    act.saved += b.num_layers * (Q * per_slot + context + scores) + m.N * d * (a + 4)  # + fc's input and output
+    act.forward_peak = max(act.forward_peak, scores)
+    (saved, peak), rows = m.objective, blocks
+    for _ in range(drafts):
+        act.kept += rows * Vd * (a + 4)
+        act.loss_saved += rows * Vd * saved
+        act.loss_peak = max(act.loss_peak, rows * Vd * (peak - saved))
+        act.backward_peak = max(act.backward_peak, rows * Vd * (8 + a))

@@ -1,0 +1,131 @@
+"""Block drafters (models/block.py): DFlash and DSpark draft a whole block in one pass over several target layers."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from omegaconf import DictConfig
+
+from specdrafter.core.recipe import RecipeError
+from specdrafter.inference.autotune import ConfidenceLength
+from specdrafter.inference.block import BlockProposer
+from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.models.block import VARIANTS, BlockDrafter, block_variant, default_target_layer_ids, load_block_drafter
+from specdrafter.train import memory
+from specdrafter.train.block import BlockTrainingDrafter, drafter_config
+
+
+class BlockKind(Kind):
+    """What DFlash and DSpark share; `name` is also the models/block.py variant."""
+    launcher = "train_block.py"
+    trees = ()
+    no_export = "its engine formats are not written yet"
+    memory_fixes = {"activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"}
+    plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256", "drafter.block.anchors=8")
+
+    def recognises(self, config: dict) -> bool:
+        return block_variant(config) == self.name
+
+    def drafts(self, cfg: DictConfig) -> int:
+        """γ: drafts per block (DFlash's anchor slot drafts nothing)."""
+        return cfg.drafter.block.block_size - (0 if VARIANTS[self.name].label_shift else 1)
+
+    def check_recipe(self, cfg: DictConfig) -> None:
+        super().check_recipe(cfg)
+        b, inf = cfg.drafter.block, cfg.inference
+        if b.length.value == "confidence":
+            if not VARIANTS[self.name].heads:
+                raise RecipeError(f"recipe key 'drafter.block.length': confidence needs DSpark's confidence head; "
+                                  f"{self.description} has none (use fixed)")
+            if inf.k == "auto":
+                raise RecipeError("recipe key 'inference.k': with drafter.block.length=confidence the confidence head "
+                                  f"sizes each cycle; set k to a number, the most drafts verified (<= {self.drafts(cfg)})")
+        if inf.k != "auto" and inf.k > self.drafts(cfg):
+            raise RecipeError(f"recipe key 'inference.k' ({inf.k}) exceeds the {self.drafts(cfg)} drafts of a block "
+                              f"(drafter.block.block_size={b.block_size})")
+        if inf.k == "auto" and inf.k_max > self.drafts(cfg):
+            raise RecipeError(f"recipe key 'inference.k_max' ({inf.k_max}) exceeds the {self.drafts(cfg)} drafts of a "
+                              f"block (drafter.block.block_size={b.block_size})")
+        if b.anchors > cfg.train.max_length - 1:
+            raise RecipeError(f"recipe key 'drafter.block.anchors' ({b.anchors}): a sequence of train.max_length "
+                              f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")
+
+    # ----------------------------------------------------------------------------------------- training
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return BlockTrainingDrafter(cfg, target, self.name, data, tokenizer)
+
+    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
+        """The outputs of target_layer_ids (ours: id + 1) and the last layer's, from which the teacher's logits come."""
+        b = cfg.drafter.block
+        ids = list(b.target_layer_ids) or default_target_layer_ids(num_layers, b.num_features)
+        return sorted({k + 1 for k in ids} | {num_layers})
+
+    # ----------------------------------------------------------------------------------------- decoding
+    def proposer(self, cfg, target, path):
+        drafter = load_block_drafter(path, self.name, target.dtype).to(target.device)
+        confidence = cfg.drafter.block.length.value == "confidence"
+        return BlockProposer(drafter, target, ConfidenceLength(drafter.num_drafts) if confidence else None)
+
+    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+        k = cfg.inference.k
+        arms = [ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k)]
+        if VARIANTS[self.name].heads and k != "auto":
+            arms.append(ArmSpec(f"{self.name}_confidence", f"k<={k} by confidence", "chain",
+                                drafter={"block": {"length": "confidence"}}, k=k))
+        arms.append(ArmSpec(f"{self.name}_asd", f"k={k} B={cfg.inference.asd.budget:g}", "asd", k=k))
+        return arms
+
+    # ------------------------------------------------------------------------------------------ planner
+    def planner_module(self, cfg, target, config_of):
+        return BlockDrafter(drafter_config(cfg, target.config, self.name)), None
+
+    def planner_activations(self, act, m) -> None:
+        memory.block(act, m, self.drafts(m.cfg))
+
+    def planner_checks(self, cfg, T, config_of):
+        b = cfg.drafter.block
+        try:
+            ids = list(b.target_layer_ids) or default_target_layer_ids(T.layers, b.num_features)
+        except Exception as e:  # too few target layers for the default spread
+            return [(False, str(e))]
+        bad = [k for k in ids if not 0 <= k <= T.layers - 2]
+        return [(not bad, f"recipe key 'drafter.block.target_layer_ids': layer output {bad[0]} is outside 0..{T.layers - 2}"
+                          f" (the last layer's output, {T.layers - 1}, is after the final norm)" if bad else
+                 f"target layer outputs {ids} within 0..{T.layers - 2}"),
+                (b.mask_token_id < T.vocab, f"recipe key 'drafter.block.mask_token_id' ({b.mask_token_id}) is outside "
+                                            f"the target's embedding of {T.vocab} rows" if b.mask_token_id >= T.vocab
+                 else f"mask token {b.mask_token_id} within the target's {T.vocab} rows")]
+
+    def activation_label(self, cfg: DictConfig) -> str:
+        b = cfg.drafter.block
+        return f", {b.anchors} blocks of {b.block_size} per sequence"
+
+    # -------------------------------------------------------------------------------------- conformance
+    def reference_step(self, module, target, hidden_states, ids) -> dict:
+        """One block at position 4 after the context 0..3 (HF hidden_states: index k + 1 is layer k's output)."""
+        t = 4
+        context = torch.cat([hidden_states[k + 1][:, :t] for k in module.config.target_layer_ids], -1)  # [1, t, m·d]
+        cache = module.new_cache()
+        module.extend_context(cache, context)
+        block = module.draft_block(cache, ids[0, t:t + 1], target)
+        return {"context": context[0], "anchor": ids[0, t:t + 1], "logits": block.logits[0], "hidden": block.hidden[0]}
+
+    def conformance_variants(self) -> Dict[str, List[str]]:
+        return {}
+
+
+class DFlash(BlockKind):
+    name = "dflash"
+    description = "a DFlash block drafter"
+    recipe = "smollm2-135m-dflash.yaml"
+    card_title = "DFlash block drafter"
+    card_tag = "dflash"
+
+
+class DSpark(BlockKind):
+    name = "dspark"
+    description = "a DSpark block drafter"
+    recipe = "smollm2-135m-dspark.yaml"
+    card_title = "DSpark block drafter"
+    card_tag = "dspark"

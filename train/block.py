@@ -1,0 +1,130 @@
+"""Training a block drafter (DFlash, DSpark; models/block.py, docs/block-drafters.md).
+
+Each sequence of a batch gets up to `drafter.block.anchors` blocks, at anchor positions a sampled uniformly among
+those whose next token is target-generated too (loss_mask[a] and loss_mask[a + 1]). All blocks of the batch go
+through the drafter in one pass (models/block.py:block_attention_mask: block b sees the context before its anchor
+and its own slots). Draft j of a block predicts x_{a+1+j}, so it is compared with the target's row a + j — the same
+Prediction every other kind makes (train/drafters.py), one per draft position ("draft1", "draft2", ...), weighted
+exp(−j / loss_decay). A draft is counted only while the tokens x_{a+1..a+1+j} are all target-generated (a
+contiguous supervised prefix): past a prompt token, what the block should have drafted is not the target's.
+
+DSpark's Markov head is teacher-forced on the true previous token; its confidence head learns the acceptance of its
+draft, BCE(σ(c_j), 1 − TV(p_j, q_j)) with TV at the training temperature and detached, added to the loss with
+weight `drafter.block.confidence_weight`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.models.block import (
+    VARIANTS,
+    BlockDrafter,
+    block_config,
+    copy_target_layers,
+    save_block_drafter,
+    token_windows,
+)
+from specdrafter.train.batches import Batch
+from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput
+from specdrafter.train.eagle import build_draft_vocab
+from specdrafter.train.objectives import per_position
+
+
+def drafter_config(cfg: DictConfig, target_config, variant: str):
+    """The recipe's drafter.block as a models/block.py config for `target_config` (checked there, one line)."""
+    b = cfg.drafter.block
+    return block_config(target_config, variant, num_layers=b.num_layers, block_size=b.block_size,
+                        target_layer_ids=list(b.target_layer_ids) or None, mask_token_id=b.mask_token_id,
+                        markov_rank=b.markov_rank if VARIANTS[variant].heads else 0,
+                        draft_vocab_size=b.draft_vocab_size, num_features=b.num_features)
+
+
+def sample_anchors(loss_mask: torch.Tensor, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` anchors per sequence, uniformly without replacement among the positions t with loss_mask[t] and
+    loss_mask[t + 1], sorted (torch's global RNG: a resumed run draws the same ones). Returns (anchors [B, N], valid
+    [B, N] bool) with N = min(count, T − 1); a sequence with fewer candidates has invalid entries at anchor 0."""
+    mask = loss_mask.bool()
+    candidate = mask[:, :-1] & mask[:, 1:]  # [B, T−1]
+    N = min(count, candidate.shape[1])
+    score = torch.rand(candidate.shape, device=mask.device).masked_fill(~candidate, -1.0)  # [B, T−1]
+    top, at = score.topk(N, dim=1)  # [B, N]
+    valid = top >= 0
+    at = torch.where(valid, at, at.new_full((), candidate.shape[1]))  # invalid ones sort last
+    at, order = at.sort(dim=1)
+    valid = valid.gather(1, order)
+    return at.masked_fill(~valid, 0), valid
+
+
+class BlockTrainingDrafter:
+    """A DFlash or DSpark drafter for training: built from the target (its last layers copied in where the tensors
+    fit, and a pruned vocabulary counted from the data), its predictions per draft position, and its folder."""
+
+    def __init__(self, cfg: DictConfig, target: nn.Module, variant: str, data=None, tokenizer=None):
+        b = cfg.drafter.block
+        config = drafter_config(cfg, target.config, variant)
+        module = BlockDrafter(config).to(MASTER_DTYPE)
+        if b.init_from_target:
+            copy_target_layers(module, target)
+        V, Vd = config.vocab_size, config.draft_vocab_size or config.vocab_size
+        if data is not None:
+            check_mask_token(config.mask_token_id, data, tokenizer)
+            if Vd < V:
+                d2t, _ = build_draft_vocab(data.target_tokens(), V, Vd)
+                module.set_draft_vocab(d2t + torch.arange(Vd))
+        self.module, self.target = module, target
+        self.teacher_ids = module.draft_ids if Vd < V else None  # the teacher's rows the loss needs (run_target)
+        self.anchors, self.decay, self.confidence_weight = b.anchors, b.loss_decay, b.confidence_weight
+        self.temperature = cfg.train.temperature
+        self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
+
+    def weight(self, j: int) -> float:
+        """Draft j's share of the loss (0-based): exp(−j / loss_decay), or 1 with loss_decay 0."""
+        return math.exp(-j / self.decay) if self.decay else 1.0
+
+    def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
+        ids = batch.input_ids
+        anchors, valid = sample_anchors(batch.loss_mask, self.anchors)  # [B, N]
+        context = module.context_features(target.features)  # [B, T, m·d_t]
+        prev = module.teacher_prev(ids, anchors)  # [B, N, γ] the true previous tokens (DSpark's heads)
+        drafts = module(context, module.block_inputs(ids, anchors), anchors, self.target, prev)
+        γ = module.num_drafts
+        # draft j counts while x_{a+1..a+1+j} are all target-generated: a contiguous supervised prefix
+        supervised = token_windows(batch.loss_mask, anchors, 1, γ, 0).cumprod(-1).bool() & valid[..., None]  # [B, N, γ]
+        rows = anchors[..., None] + torch.arange(γ, device=ids.device)  # [B, N, γ] the target's row a + j
+        out = []
+        for j in range(γ):
+            b, n = supervised[..., j].nonzero(as_tuple=True)
+            index = target.row_index[b, rows[b, n, j]]  # [R_j] into the target's logits
+            draft = drafts.logits[b, n, j]  # [R_j, Vd]
+            teacher = target.logits[index]  # [R_j, V] (or [R_j, Vd] with a pruned vocabulary's teacher rows)
+            extra = None
+            if drafts.confidence is not None and self.confidence_weight:
+                aligned = teacher if self.teacher_ids is None or target.lse is not None else teacher[:, module.draft_ids]
+                accept = 1.0 - per_position("tv", aligned, draft.detach(), self.temperature)  # [R_j] α of the draft
+                extra = self.confidence_weight * F.binary_cross_entropy_with_logits(
+                    drafts.confidence[b, n, j].float(), accept.float()) if len(b) else draft.sum() * 0.0
+            out.append(Prediction(f"draft{j + 1}", self.weight(j), draft, teacher, module.draft_ids if
+                                  self.teacher_ids is not None else None, target_lse=target.lse[index] if
+                                  target.lse is not None else None, feature_loss=extra))
+        return out
+
+    def save(self, module, folder: Path, tokenizer) -> None:
+        save_block_drafter(module, folder)
+
+
+def check_mask_token(mask_token_id: int, data, tokenizer) -> None:
+    """The mask token must be a row no training text uses: the drafter would not tell a mask from a real token."""
+    if any(bool((s == mask_token_id).any()) for s in data.sequences):
+        name = tokenizer.convert_ids_to_tokens(mask_token_id) if tokenizer is not None else None
+        raise SpecdrafterError(f"recipe key 'drafter.block.mask_token_id': token {mask_token_id}"
+                               + (f" ({name!r})" if name else "") + " occurs in the training data; pick a token "
+                               "the chat text never uses (a reserved special token)")
