@@ -62,6 +62,7 @@ class CycleMetrics:
     per_position_n: List[int]
     c: float  # draft seconds ÷ one target step: per drafted token (chains), per cycle (trees)
     k_used: Optional[int]  # chains: the block length used most
+    mean_drafted: Optional[float]  # chains: drafts verified per cycle on average (a block drafter's confidence sizes it)
     mean_tree_size: Optional[float]  # trees: tokens per target pass on average
     predicted_speedup: Optional[float]  # None where v(n) does not cover the passes
     best_k: Optional[int]  # chains: the k the formula prefers
@@ -76,6 +77,7 @@ class CycleMetrics:
                "alpha": r(self.alpha, 4), "per_position": [r(a, 4) for a in self.per_position],
                "per_position_n": self.per_position_n, "mean_tv": r(self.mean_tv, 4),
                "alpha_tv_gap": r(self.alpha_tv_gap, 4), "c": r(self.c, 4), "k_used": self.k_used,
+               "mean_drafted": r(self.mean_drafted, 2),
                "predicted_speedup": r(self.predicted_speedup, 3), "best_k": self.best_k,
                "verifier_per_token_vs_target_step": r(self.verifier_per_token, 4)}
         if self.mean_tree_size is not None:
@@ -103,6 +105,7 @@ def cycle_metrics(cycles: List[CycleStats], tokens: int, step_s: float, v: Dict[
     return CycleMetrics(
         tokens=tokens, target_passes=passes, tau=tau, alpha=alpha, per_position=per_position_acceptance(cycles),
         per_position_n=position_counts(cycles), c=c, k_used=k if chain else None,
+        mean_drafted=sum(x.drafted for x in cycles) / max(passes, 1) if chain else None,
         mean_tree_size=None if chain else sum(x.size for x in cycles) / max(passes, 1), predicted_speedup=predicted,
         best_k=best_k, mean_tv=mean_tv, alpha_tv_gap=None if mean_tv is None else alpha - (1 - mean_tv),
         verifier_per_token=sum(x.verifier_s for x in cycles) / max(tokens, 1) / step_s)

@@ -242,7 +242,7 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
                 row["speedup_by_set_spread"] = {name: _round(s) for name, (_, s) in by_set.items()}
             if a.cycles.get(t):  # the first repeat's cycles and tokens
                 metrics = cycle_metrics(a.cycles[t], a.runs[t][0][0], one, v, chain=bool(a.k))
-                keep = ["k_used", "mean_tree_size", "tau", "alpha", "c", "predicted_speedup",
+                keep = ["k_used", "mean_drafted", "mean_tree_size", "tau", "alpha", "c", "predicted_speedup",
                         "verifier_per_token_vs_target_step"]
                 row.update({key: value for key, value in metrics.rounded().items() if key in keep})
                 if metrics.predicted_speedup:
@@ -265,6 +265,7 @@ def markdown(rows: List[dict], header: str) -> str:
     for r in rows:
         shape = r["shape"] + (f" ({r['k_used']})" if "auto" in r["shape"] and r.get("k_used") else "")
         shape += f" (mean {r['mean_tree_size']:g})" if "auto" in r["shape"] and r.get("mean_tree_size") else ""
+        shape += f" (mean {r['mean_drafted']:g})" if "confidence" in r["shape"] and r.get("mean_drafted") else ""
         lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
                      f"{spread_label(r['speedup'], r.get('speedup_spread'))} | "
                      f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "

@@ -44,6 +44,7 @@ results.json (schema 1; "sha256": of the rest of the file, checked on a rerun �
                 "c",              draft time per drafted token (per tree, for trees) ÷ target step
                 "predicted_speedup", "measured_over_predicted", "best_k" (chain: the k the formula prefers),
                 "k_used",         the block length used most (k, or where `auto` settled)
+                "mean_drafted",   drafts verified per cycle on average (below k: the confidence head's length)
                 "mean_tree_size", tree cells: tokens per target pass on average (≤ tree_size when auto-sized)
                 "asd_regret",     mean realised regret per prompt (ASD cells)
                 "sweep",          true for the speedup-vs-k cells

@@ -161,7 +161,10 @@ def _shape(c: dict) -> str:
     if c.get("tree_size"):
         mean = c.get("mean_tree_size")
         return f"tree {c['tree_size']}" + (f" (auto, mean {mean:g})" if mean and mean < c["tree_size"] else "")
-    return f"auto ({c.get('k_used')})" if c["k"] == "auto" else str(c["k"])
+    if c["k"] == "auto":
+        return f"auto ({c.get('k_used')})"
+    mean = c.get("mean_drafted")  # below k: a block drafter's confidence head verified fewer
+    return str(c["k"]) + (f" (mean {mean:g})" if mean is not None and mean < c["k"] - 0.005 else "")
 
 
 def _table(rows: List[dict], columns) -> str:

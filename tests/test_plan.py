@@ -17,7 +17,7 @@ from specdrafter.train.plan import main as plan_main
 LLAMA8B = REPO / "recipes" / "llama8b.yaml"
 EIGHT = Setup(world=8, gpus_per_node=8)
 LAUNCHERS = [("train_eagle.py", "llama8b.yaml"), ("train_medusa.py", "llama8b-medusa.yaml"),
-             ("train_draft.py", "llama8b-draft.yaml")]
+             ("train_draft.py", "llama8b-draft.yaml"), ("train_block.py", "llama8b-dspark.yaml")]
 
 
 def plan_of(recipe=LLAMA8B, *overrides, setup=EIGHT):
@@ -120,6 +120,19 @@ def test_draft_model_from_shipped_config_and_medusa():
     medusa = plan_of(REPO / "recipes" / "llama8b-medusa.yaml")
     assert medusa.counts.trainable > 2.5e9  # 5 heads × (d² + d·V)
     assert medusa.terms["activations"] > 10 * GIB  # [rows, 128k vocabulary] per head
+
+
+def test_dspark_plan_counts_its_layers_and_blocks():
+    """5 Llama-8B-wide layers, fc over 5 features and the heads are trainable; the target is not. The activations grow
+    with the blocks per sequence (drafter.block.anchors) and fit."""
+    dspark = plan_of(REPO / "recipes" / "llama8b-dspark.yaml")
+    d, I = 4096, 14336
+    layer = 2 * d * d + 2 * (d // 4) * d + 3 * d * I  # q, o [d, d]; k, v [d/4, d] (8 of 32 heads); the MLP
+    heads = 128256 * 256 + 32000 * 256 + (d + 256 + 1)  # Markov W1, W2 (draft vocabulary) and the confidence head
+    assert dspark.counts.trainable == pytest.approx(5 * layer + 5 * d * d + heads, rel=1e-3)
+    assert dspark.fits and not failures(dspark)
+    fewer = plan_of(REPO / "recipes" / "llama8b-dspark.yaml", "drafter.block.anchors=64")
+    assert fewer.terms["activations"] < dspark.terms["activations"] / 2
 
 
 def test_per_node_numbers(llama8b):

@@ -1,0 +1,125 @@
+"""Training a block drafter (train/block.py): anchors only where the next token is target-generated, each draft
+compared with the target's row for the token it drafts, labels only over a contiguous supervised prefix, DSpark's
+confidence term, and a mask token the data uses refused in one line."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_llama_config
+from omegaconf import OmegaConf
+from transformers import LlamaForCausalLM
+
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import DrafterKind, Recipe
+from specdrafter.train.batches import Batch
+from specdrafter.train.block import BlockTrainingDrafter, sample_anchors
+from specdrafter.train.drafters import TargetOutput, counted_rows
+from specdrafter.train.objectives import Objective
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(V, num_hidden_layers=4)).eval()
+
+
+def recipe(variant: str, **block):
+    cfg = OmegaConf.structured(Recipe)
+    cfg.drafter.kind = DrafterKind(variant)
+    settings = dict(num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=V - 1, anchors=6, markov_rank=4)
+    settings.update(block)
+    for key, value in settings.items():
+        cfg.drafter.block[key] = value
+    return cfg
+
+
+def test_anchors_are_sorted_distinct_and_only_where_the_next_token_is_target_generated():
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0],
+                         [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]])  # the second has a single candidate, position 1
+    for _ in range(20):
+        anchors, valid = sample_anchors(mask, 4)
+        for b in range(2):
+            picked = anchors[b][valid[b]].tolist()
+            assert picked == sorted(set(picked))
+            assert all(mask[b, a] and mask[b, a + 1] for a in picked)
+        assert valid[0].all() and valid[1].tolist() == [True, False, False, False] and anchors[1, 0] == 1
+    seen = set()
+    for _ in range(200):
+        anchors, _ = sample_anchors(mask[:1], 1)
+        seen.add(int(anchors[0, 0]))
+    assert seen == {2, 3, 6, 7, 8}  # every candidate, and nothing else, is drawn
+
+
+def one_hot_teacher(batch: Batch, features) -> TargetOutput:
+    """A teacher whose row t is one-hot on the true next token x_{t+1}, at every row the loss may read."""
+    b, t = counted_rows(batch.loss_mask, 1)
+    row_index = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
+    row_index[b, t] = torch.arange(len(b))
+    logits = torch.full((len(b), V), -30.0)
+    logits[torch.arange(len(b)), batch.input_ids[b, t + 1]] = 30.0
+    return TargetOutput(features, logits, row_index)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+def test_each_draft_is_compared_with_the_target_row_of_the_token_it_drafts(target, variant):
+    """With a teacher one-hot on the true next token, the teacher rows of draft j are exactly the tokens x_{a+1+j}
+    of the anchors drawn, over the contiguous supervised prefix only (a prompt token at position 7 cuts blocks)."""
+    drafter = BlockTrainingDrafter(recipe(variant), target, variant)
+    torch.manual_seed(3)
+    ids = torch.randint(3, V - 1, (2, 14))
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[:, :3] = 0  # the prompt
+    mask[0, 7] = 0  # a prompt token inside the answer
+    attention = torch.ones_like(mask)
+    batch = Batch(ids, mask, attention)
+    with torch.no_grad():
+        captured = {}
+        out = target(input_ids=ids, output_hidden_states=True)
+        for k in drafter.module.feature_layers:  # our id k = HF hidden_states[k]
+            captured[k] = out.hidden_states[k]
+    teacher = one_hot_teacher(batch, captured)
+    torch.manual_seed(11)
+    predictions = drafter.predictions(drafter.module, batch, teacher)
+    torch.manual_seed(11)
+    anchors, valid = sample_anchors(mask, 6)
+    assert [p.name for p in predictions] == drafter.prediction_names
+    for j, p in enumerate(predictions):
+        expected = []
+        for b in range(2):
+            for a, ok in zip(anchors[b].tolist(), valid[b].tolist()):
+                prefix = range(a + 1, a + 2 + j)
+                if ok and prefix[-1] < 14 and all(mask[b, i] for i in prefix):
+                    expected.append(int(ids[b, a + 1 + j]))
+        assert sorted(p.target_logits.argmax(-1).tolist()) == sorted(expected)
+        assert p.weight == pytest.approx(torch.exp(torch.tensor(-j / 4.0)).item())
+    assert len(predictions[0].target_logits) > len(predictions[-1].target_logits)  # the cut shortened blocks
+
+
+def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target):
+    drafter = BlockTrainingDrafter(recipe("dspark"), target, "dspark")
+    torch.manual_seed(3)
+    ids = torch.randint(3, V - 1, (1, 12))
+    mask = torch.ones(1, 12, dtype=torch.long)
+    batch = Batch(ids, mask, torch.ones_like(mask))
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    teacher = one_hot_teacher(batch, {k: out.hidden_states[k] for k in drafter.module.feature_layers})
+    predictions = drafter.predictions(drafter.module, batch, teacher)
+    objective = Objective({"soft_ce": 0.1, "tv": 0.9})
+    confidence = drafter.module.confidence_head.proj
+    total = sum(p.loss(objective)[0] for p in predictions)
+    total.backward()
+    assert confidence.weight.grad is not None and confidence.weight.grad.abs().sum() > 0
+    assert all(p.feature_loss is not None and p.feature_loss > 0 for p in predictions)
+    plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, "dspark")
+    assert all(p.feature_loss is None for p in plain.predictions(plain.module, batch, teacher))
+
+
+def test_a_mask_token_the_training_data_uses_is_refused(target):
+    data = SimpleNamespace(sequences=[torch.tensor([5, 9, V - 1, 4])], target_tokens=lambda: [])
+    with pytest.raises(SpecdrafterError, match=f"'drafter.block.mask_token_id': token {V - 1} occurs in the training"):
+        BlockTrainingDrafter(recipe("dflash"), target, "dflash", data)
