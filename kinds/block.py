@@ -44,9 +44,6 @@ class BlockKind(Kind):
         if inf.k != "auto" and inf.k > self.drafts(cfg):
             raise RecipeError(f"recipe key 'inference.k' ({inf.k}) exceeds the {self.drafts(cfg)} drafts of a block "
                               f"(drafter.block.block_size={b.block_size})")
-        if inf.k == "auto" and inf.k_max > self.drafts(cfg):
-            raise RecipeError(f"recipe key 'inference.k_max' ({inf.k_max}) exceeds the {self.drafts(cfg)} drafts of a "
-                              f"block (drafter.block.block_size={b.block_size})")
         if b.anchors > cfg.train.max_length - 1:
             raise RecipeError(f"recipe key 'drafter.block.anchors' ({b.anchors}): a sequence of train.max_length "
                               f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")

@@ -145,3 +145,14 @@ def test_a_drafter_for_another_target_and_a_length_rule_without_a_head_are_one_l
         BlockProposer(drafter_for(target, "dflash"), other)
     with pytest.raises(SpecdrafterError, match="needs a confidence head"):
         BlockProposer(drafter_for(target, "dflash"), target, ConfidenceLength(3))
+
+
+def test_asd_on_a_block_drafter_with_no_budget_is_the_target_greedy_output_and_with_one_spends_it():
+    from specdrafter.inference.decode import ASDSettings
+    target = small_target(64, sharpen=8.0)
+    proposer = BlockProposer(drafter_for(target, "dspark", sharpen=4.0), target)
+    prompt = [3, 9, 12]
+    strict = speculative_generate(target, proposer, prompt, 24, GREEDY, 3, asd=ASDSettings(budget=0.0))
+    assert strict.tokens == target_greedy(target, prompt, 24) and strict.asd_regret == 0
+    loose = speculative_generate(target, proposer, prompt, 24, GREEDY, 3, asd=ASDSettings(budget=50.0, gate=50.0))
+    assert 0 < loose.asd_regret <= 50.0 and len(loose.cycles) <= len(strict.cycles)

@@ -123,3 +123,19 @@ def test_a_mask_token_the_training_data_uses_is_refused(target):
     data = SimpleNamespace(sequences=[torch.tensor([5, 9, V - 1, 4])], target_tokens=lambda: [])
     with pytest.raises(SpecdrafterError, match=f"'drafter.block.mask_token_id': token {V - 1} occurs in the training"):
         BlockTrainingDrafter(recipe("dflash"), target, "dflash", data)
+
+
+@pytest.mark.parametrize("recipe_name, overrides, message", [
+    ("dflash", ["inference.k=8"], "'inference.k' \\(8\\) exceeds the 7 drafts of a block"),
+    ("dspark", ["inference.k=9"], "'inference.k' \\(9\\) exceeds the 8 drafts of a block"),
+    ("dflash", ["drafter.block.length=confidence"], "confidence needs DSpark's confidence head"),
+    ("dspark", ["drafter.block.length=confidence", "inference.k=auto"], "set k to a number"),
+    ("dspark", ["drafter.block.anchors=600"], "'drafter.block.anchors' \\(600\\): a sequence of train.max_length 512"),
+    ("dspark", ["drafter.block.block_size=1"], "'drafter.block.block_size'"),
+])
+def test_block_recipe_settings_that_cannot_work_are_one_line(recipe_name, overrides, message):
+    from conftest import REPO
+
+    from specdrafter.core.recipe import RecipeError, load_recipe
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(REPO / "recipes" / f"smollm2-135m-{recipe_name}.yaml", overrides)
