@@ -139,3 +139,20 @@ def test_block_recipe_settings_that_cannot_work_are_one_line(recipe_name, overri
     from specdrafter.core.recipe import RecipeError, load_recipe
     with pytest.raises(RecipeError, match=message):
         load_recipe(REPO / "recipes" / f"smollm2-135m-{recipe_name}.yaml", overrides)
+
+
+def test_the_confidence_target_is_the_acceptance_over_the_whole_vocabulary():
+    """With a pruned vocabulary the teacher's mass outside it counts as never accepted: α equals 1 − TV computed over
+    the full vocabulary with the draft's q zero outside its tokens."""
+    from specdrafter.train.block import acceptance
+    from specdrafter.train.objectives import per_position
+    torch.manual_seed(0)
+    z, ids = torch.randn(5, V) * 3, torch.tensor([1, 4, 9, 20, 33, 50])
+    draft = torch.randn(5, len(ids)) * 2
+    full = torch.full((5, V), float("-inf"))
+    full[:, ids] = draft
+    for T in (1.0, 0.7):
+        expected = 1 - per_position("tv", z, full, T)
+        lse = torch.logsumexp(z / T, dim=-1)
+        torch.testing.assert_close(acceptance(z[:, ids], draft, T, lse), expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(acceptance(z, torch.randn(5, V).mul(0).add(z), T), torch.ones(5))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,6 @@ from specdrafter.models.block import (
 from specdrafter.train.batches import Batch
 from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput
 from specdrafter.train.eagle import build_draft_vocab
-from specdrafter.train.objectives import per_position
 
 
 def drafter_config(cfg: DictConfig, target_config, variant: str):
@@ -106,19 +105,32 @@ class BlockTrainingDrafter:
             index = target.row_index[b, rows[b, n, j]]  # [R_j] into the target's logits
             draft = drafts.logits[b, n, j]  # [R_j, Vd]
             teacher = target.logits[index]  # [R_j, V] (or [R_j, Vd] with a pruned vocabulary's teacher rows)
+            lse = target.lse[index] if target.lse is not None else None  # [R_j] with a pruned vocabulary
             extra = None
             if drafts.confidence is not None and self.confidence_weight:
-                aligned = teacher if self.teacher_ids is None or target.lse is not None else teacher[:, module.draft_ids]
-                accept = 1.0 - per_position("tv", aligned, draft.detach(), self.temperature)  # [R_j] α of the draft
+                accept = acceptance(teacher, draft.detach(), self.temperature, lse)  # [R_j] α of each draft
                 extra = self.confidence_weight * F.binary_cross_entropy_with_logits(
-                    drafts.confidence[b, n, j].float(), accept.float()) if len(b) else draft.sum() * 0.0
-            out.append(Prediction(f"draft{j + 1}", self.weight(j), draft, teacher, module.draft_ids if
-                                  self.teacher_ids is not None else None, target_lse=target.lse[index] if
-                                  target.lse is not None else None, feature_loss=extra))
+                    drafts.confidence[b, n, j].float(), accept) if len(b) else draft.sum() * 0.0
+            pruned = self.teacher_ids is not None
+            out.append(Prediction(f"draft{j + 1}", self.weight(j), draft, teacher, module.draft_ids if pruned else None,
+                                  # as EAGLE-3: rows whose top token the draft vocabulary lacks teach it nothing useful
+                                  loss_rows=target.top_in_vocab[index] if pruned else None,
+                                  target_lse=lse, feature_loss=extra))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:
         save_block_drafter(module, folder)
+
+
+def acceptance(teacher: torch.Tensor, draft: torch.Tensor, temperature: float,
+               lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """α = Σ_v min(p_v, q_v) = 1 − TV(p, q) per row at `temperature`: teacher and draft logits [R, Vd]. With a pruned
+    vocabulary the teacher's rows are its draft-vocabulary logits and lse [R] its log-normaliser over the whole
+    vocabulary, so p is the target's true probability (its mass outside the draft vocabulary can never be accepted)."""
+    t = teacher.float() / temperature
+    p = (t - lse[:, None]).exp() if lse is not None else t.softmax(-1)  # [R, Vd]
+    q = (draft.float() / temperature).softmax(-1)  # [R, Vd]
+    return torch.minimum(p, q).sum(-1)
 
 
 def check_mask_token(mask_token_id: int, data, tokenizer) -> None:
