@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from specdrafter.core.recipe import DrafterKind, load_recipe
@@ -110,9 +110,9 @@ def variant(cfg: DictConfig, kind: str, path, drafter: Optional[dict] = None, **
         for key, value in keys.items():
             if isinstance(value, dict):  # a structured sub-config (dynamic_tree, block): set its fields one by one
                 for field_name, x in value.items():
-                    c[section][key][field_name] = x
+                    OmegaConf.update(c, f"{section}.{key}.{field_name}", x)  # converts to the field's type (an enum)
             else:
-                c[section][key] = value
+                OmegaConf.update(c, f"{section}.{key}", value)
     return c
 
 

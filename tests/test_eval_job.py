@@ -340,3 +340,35 @@ def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
     assert "Traceback" not in done.stderr
+
+
+def test_a_dspark_checkpoint_through_the_eval_job_and_the_benchmark(tmp_path, tiny_target):
+    """A block drafter goes through the same jobs as every kind: per-position acceptance and the drafts verified per
+    cycle in results.json; the benchmark's fixed-length, confidence-sized and ASD arms."""
+    from specdrafter.eval import bench_decode
+    from specdrafter.models.block import BlockDrafter, block_config, save_block_drafter
+    target = LlamaForCausalLM.from_pretrained(tiny_target)
+    torch.manual_seed(0)
+    drafter = BlockDrafter(block_config(target.config, "dspark", num_layers=1, block_size=4, target_layer_ids=[0],
+                                        markov_rank=8))
+    folder = tmp_path / "run" / "checkpoints" / "step-000002"
+    save_block_drafter(drafter, folder / "drafter")
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "drafter": "dspark", "metrics": {}}))
+    out = tmp_path / "eval"
+    cfg = load_recipe(REPO / "recipes" / "smollm2-135m-dspark.yaml", [
+        f"output_dir={out}", f"target.model={tiny_target}", f"eval.checkpoint={tmp_path / 'run'}",
+        f"eval.output_dir={out}", "eval.sets=[mtbench]", "eval.num_prompts=1", "eval.max_new_tokens=8",
+        "eval.temperatures=[0,1]", "eval.k_sweep=[2]", "eval.repeats=1", "inference.k=3",
+        "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0]"])
+    run_eval(cfg)
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    chain = [c for c in cells if c["verifier"] == "chain" and c["k"] == 3]
+    assert len(chain) == 2 and all(len(c["per_position"]) == 3 and c["mean_drafted"] == 3 for c in chain)
+    bench_decode.main(["recipes/smollm2-135m-dspark.yaml", f"target.model={tiny_target}", "inference.k=3",
+                       f"drafter.path={folder / 'drafter'}", "--dspark", str(folder / "drafter"), "--sets", "mtbench",
+                       "--prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path / "bench")])
+    rows = json.loads((tmp_path / "bench" / "bench_decode.json").read_text())["rows"]
+    assert [(r["temperature"], r["arm"]) for r in rows] == [
+        (0.0, "target"), (0.0, "dspark_chain"), (0.0, "dspark_confidence"), (0.0, "dspark_asd"),
+        (1.0, "target"), (1.0, "dspark_chain"), (1.0, "dspark_confidence")]
+    assert all(1 <= r["mean_drafted"] <= 3 for r in rows if r["arm"] != "target")
