@@ -169,7 +169,8 @@ def main() -> None:
     p.add_argument("--out", default="runs/conformance")
     p.add_argument("--reinstall", action="store_true", help="pip-install again into the existing venv")
     a = p.parse_args()
-    out, venv = Path(a.out), cache_dir() / "conformance-venv"
+    # absolute: a check may chdir (speculators resolves a local verifier by its folder name from beside it)
+    out, venv = Path(a.out).resolve(), cache_dir() / "conformance-venv"
     out.mkdir(parents=True, exist_ok=True)
     t = time.time()
     info = setup_venv(venv, False if a.reinstall else None)
@@ -188,8 +189,10 @@ def main() -> None:
     rows += json.loads(res.read_text()) if res.is_file() else [
         {"format": "*", "drafter": "*", "check": "worker", "result": "fail", "detail": f"worker exited {proc.returncode}"}]
     table = markdown(rows, info)
-    (out / "conformance.md").write_text("# Conformance with the engines\n\n" + table)
-    (out / "conformance.json").write_text(json.dumps({"rows": rows, **info, "exports": built["exports"]}, indent=1))
+    as_given = a.out.rstrip("/")  # the folder as the command named it: no machine's absolute path in the results
+    (out / "conformance.md").write_text(("# Conformance with the engines\n\n" + table).replace(str(out), as_given))
+    (out / "conformance.json").write_text(json.dumps({"rows": rows, **info, "exports": built["exports"]},
+                                                     indent=1).replace(str(out), as_given))
     print(table)
     print(f"wrote {out / 'conformance.md'} and conformance.json")
 

@@ -32,7 +32,7 @@ class BlockEngines:
     sglang_algorithm: str  # SGLang's --speculative-algorithm
     architecture: str  # config.json `architectures` of the vllm / sglang folder (both engines register the name)
     speculators_architecture: str  # `architectures` of the speculators folder (its model class)
-    vllm_since: str  # the first vLLM release whose model class loads every tensor of ours (the model card says it)
+    vllm_since: str  # the first vLLM release that serves the folder as trained (the model card says it)
     sglang_since: str  # the first SGLang release with the algorithm
     speculators_since: str  # the first speculators release with the model
 
