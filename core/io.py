@@ -267,6 +267,13 @@ def discard_damaged_checkpoints(root: Path) -> List[str]:
     return lines
 
 
+def save_weights(tensors: Dict[str, torch.Tensor], path: Path) -> None:
+    """A published safetensors file: metadata {"format": "pt"} (what transformers and the engines expect) and mode
+    0644 (safetensors leaves 0600)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o644)
+
+
 def write_config_and_weights(module, folder: Path) -> None:
     """`module.config` (config.json) + its state dict (model.safetensors) into an existing folder."""
     module.config.save_pretrained(folder)

@@ -8,17 +8,21 @@
    dependencies: vLLM 0.33.0 (`--no-deps` + the few pure-Python packages its model code imports), vLLM 0.32.0 and
    SGLang 0.5.x into side folders of the venv (`--target`, put on PYTHONPATH per check), speculators (`--no-deps`).
 2. In this environment builds tiny drafters with specdrafter's own code (a 4-layer random Llama, hidden 32, with
-   SmolLM2's tokenizer, as tests/test_export.py does): EAGLE-3 with a pruned draft vocabulary and with the full one,
-   Medusa heads (5 heads, 1 ResBlock each), an HF draft model; exports each in every format of
-   `export/formats.py:FORMATS`, and saves reference inputs and our logits.
+   SmolLM2's tokenizer, as tests/test_export.py does): every kind's `conformance_variants` — EAGLE-3 with a pruned
+   draft vocabulary and with the full one, Medusa heads (5 heads, 1 ResBlock each), an HF draft model, DFlash and
+   DSpark (2 layers, blocks of 4, target layer outputs [0, 1, 2]) with the full and a pruned vocabulary; exports each
+   in every format of its kind, and saves reference inputs and our logits. An export the format cannot express is
+   a `refused` row with the exporter's one line.
 3. Runs this file with `--worker` in the venv: each export is loaded by the engine's own code on CPU and compared
    with our tensors bit for bit; where the engine's module runs on CPU, one draft step (logits) is compared with
-   ours (allclose). Rows that cannot run say why.
+   ours (allclose). Rows that cannot run say why. Which checks an export gets depends on its format and on the
+   writer family of its kind (work/families.json, from kinds/: writer), never on a kind's name.
 
 Writes OUT/conformance.md (the table) and OUT/conformance.json (rows + installed versions + install times).
 """
 
 import argparse
+import ast
 import importlib.metadata
 import json
 import os
@@ -26,12 +30,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Dict, List, Optional
 
 VLLM_NEW, VLLM_OLD, SGLANG, SPECULATORS = "vllm==0.33.0", "vllm==0.32.0", "sglang>=0.5,<0.6", "speculators"
 VLLM_DEPS = ["pyzmq", "msgspec", "cachetools", "cbor2", "pybase64", "blake3", "prometheus_client", "aiohttp", "multidict",
              "yarl", "propcache", "frozenlist", "aiosignal", "aiohappyeyeballs", "openai_harmony", "uvloop",
              "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "partial_json_parser", "llguidance"]  # what its model code imports
-SPECULATORS_DEPS = ["loguru", "pydantic-settings"]
+SPECULATORS_DEPS = ["loguru", "pydantic-settings", "hs-connectors"]  # speculators 0.9 imports hs_connectors
 
 
 # ================================================================================= this environment: the driver
@@ -110,7 +116,7 @@ def build_and_export(work: Path) -> dict:
     ids = torch.tensor([[1, 9690, 198, 504, 3287, 314, 253, 2114]])
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states  # hs[k] = the input to layer k (our aux-id reading)
-    refs, exports = {}, {}
+    refs, exports, families = {}, {}, {}
     # every kind's conformance variants (kinds/: conformance_variants), e.g. eagle3-pruned / eagle3-full
     drafters = {name: (k, overrides) for k in KINDS.values() for name, overrides in k.conformance_variants().items()}
     for name, (kind, overrides) in drafters.items():
@@ -134,11 +140,13 @@ def build_and_export(work: Path) -> dict:
         with torch.no_grad():
             refs[name] = kind.reference_step(module, target, hs, ids)
         for fmt in kind.formats:
+            families[f"{fmt}/{name}"] = {"writer": kind.writer, "method": getattr(kind, "engines", None) and kind.engines.method}
             try:
                 exports[f"{fmt}/{name}"] = str(export(folder, fmt, work / "exports" / name / fmt))
             except SpecdrafterError as e:
                 exports[f"{fmt}/{name}"] = {"error": str(e)}
     torch.save(refs, work / "reference.pt")
+    (work / "families.json").write_text(json.dumps(families, indent=1))
     return {"target": str(target_dir), "exports": exports}
 
 
@@ -161,7 +169,8 @@ def main() -> None:
     p.add_argument("--out", default="runs/conformance")
     p.add_argument("--reinstall", action="store_true", help="pip-install again into the existing venv")
     a = p.parse_args()
-    out, venv = Path(a.out), cache_dir() / "conformance-venv"
+    # absolute: a check may chdir (speculators resolves a local verifier by its folder name from beside it)
+    out, venv = Path(a.out).resolve(), cache_dir() / "conformance-venv"
     out.mkdir(parents=True, exist_ok=True)
     t = time.time()
     info = setup_venv(venv, False if a.reinstall else None)
@@ -169,8 +178,10 @@ def main() -> None:
     work = out / "work"
     built = build_and_export(work)
     print(f"exported: {json.dumps(built['exports'], indent=1)}", flush=True)
-    rows = [{"format": k.split("/")[0], "drafter": k.split("/")[1], "check": "export", "result": "fail",
-             "detail": e["error"]} for k, e in built["exports"].items() if isinstance(e, dict)]
+    # the exporter's one-line refusal of what a format cannot express (SGLang and a pruned vocabulary)
+    rows = [{"format": k.split("/")[0], "drafter": k.split("/")[1], "check": "export",
+             "result": "refused" if "cannot express" in e["error"] else "fail", "detail": e["error"]}
+            for k, e in built["exports"].items() if isinstance(e, dict)]
     res = work / "rows.json"
     proc = subprocess.run([str(venv_python(venv)), str(Path(__file__).resolve()), "--worker", str(work), str(venv),
                            str(res)], env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
@@ -178,8 +189,10 @@ def main() -> None:
     rows += json.loads(res.read_text()) if res.is_file() else [
         {"format": "*", "drafter": "*", "check": "worker", "result": "fail", "detail": f"worker exited {proc.returncode}"}]
     table = markdown(rows, info)
-    (out / "conformance.md").write_text("# Conformance with the engines\n\n" + table)
-    (out / "conformance.json").write_text(json.dumps({"rows": rows, **info, "exports": built["exports"]}, indent=1))
+    as_given = a.out.rstrip("/")  # the folder as the command named it: no machine's absolute path in the results
+    (out / "conformance.md").write_text(("# Conformance with the engines\n\n" + table).replace(str(out), as_given))
+    (out / "conformance.json").write_text(json.dumps({"rows": rows, **info, "exports": built["exports"]},
+                                                     indent=1).replace(str(out), as_given))
     print(table)
     print(f"wrote {out / 'conformance.md'} and conformance.json")
 
@@ -188,9 +201,13 @@ def main() -> None:
 def worker(work: Path, venv: Path, res: Path) -> None:
     """Every check in its own subprocess (vLLM 0.32, SGLang and vLLM 0.33 cannot share one interpreter)."""
     exports = {f"{fmt.name}/{d.name}": fmt for d in sorted((work / "exports").iterdir()) for fmt in sorted(d.iterdir())}
+    families = json.loads((work / "families.json").read_text())
     plan = []
     for key in exports:
         fmt, name = key.split("/")
+        if families[key]["writer"] == "block":  # DFlash, DSpark: export/block.py's folders
+            plan += [(check, side, key) for check, side in BLOCK_CHECKS[fmt]]
+            continue
         if fmt in ("vllm", "speculators"):
             plan += [("vllm", None, key), ("vllm", "vllm-0.32", key)]
         if fmt == "speculators":
@@ -220,6 +237,13 @@ def worker(work: Path, venv: Path, res: Path) -> None:
     res.write_text(json.dumps(rows, indent=1))
 
 
+BLOCK_CHECKS = {  # block drafters' --format → (check, side folder of the venv) runs
+    "vllm": [("vllm-block", None), ("vllm-block", "vllm-0.32")],
+    "speculators": [("vllm-block", None), ("vllm-block", "vllm-0.32"), ("speculators-block", None)],
+    "sglang": [("sglang-block", "sglang")],
+}
+
+
 def run_check(check: str, work: Path, key: str, one: Path) -> None:
     import torch
 
@@ -235,14 +259,21 @@ def run_check(check: str, work: Path, key: str, one: Path) -> None:
         if check == "none":
             row("engine load", "not-run", "no engine reads this layout here: the Medusa repo's loader needs "
                 "medusa_lm_head.pt (the card's one-line conversion) and the repo is not on PyPI; TGI is not installable")
+        elif check == "vllm-block":
+            import vllm
+            vllm_block(folder, fmt, ref, f"vLLM {vllm.__version__}", row, json.loads((work / "families.json").read_text())[key])
         elif check.startswith("vllm"):
             import vllm
             tag = f"vLLM {vllm.__version__}"
             {"vllm": vllm_eagle3, "vllm-medusa": vllm_medusa, "vllm-llama": vllm_llama}[check](folder, fmt, ref, tag, row)
         elif check == "speculators":
             speculators_checks(folder, work, name, ref, row)
+        elif check == "speculators-block":
+            speculators_block(folder, work, name, ref, row)
         elif check == "sglang":
             sglang_mapping(folder, ref, row)
+        elif check == "sglang-block":
+            sglang_block(folder, ref, row)
     except Exception as e:  # one line per failure; the table shows it
         import traceback
         tb = traceback.extract_tb(e.__traceback__)[-1]
@@ -453,6 +484,143 @@ def vllm_llama(folder: Path, fmt: str, ref: dict, tag: str, row) -> None:
         "forward context (KV cache, metadata), which only a running engine sets up")
 
 
+# ------------------------------------------------------------------------------------- block drafters (vLLM)
+def vllm_block_config(folder: Path, fmt: str, method: str):
+    """The draft config vLLM builds for a folder (transformers_utils/configs): the speculators adapter for a
+    speculators folder, else the folder's own config, wrapped in EAGLEConfig for the methods SpeculativeConfig wraps
+    (eagle, eagle3, dflash), and the speculative method and token count it serves with (None: the user's)."""
+    from transformers import AutoConfig
+
+    if fmt == "speculators":
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+        spec = SpeculatorsConfig.extract_vllm_speculative_config(json.loads((folder / "config.json").read_text()))
+        return SpeculatorsConfig.from_pretrained(str(folder)), spec["method"], spec["num_speculative_tokens"]
+    hf = AutoConfig.from_pretrained(str(folder))
+    if method in ("eagle", "eagle3", "dflash"):  # as vllm/config/speculative.py does
+        from vllm.transformers_utils.configs.eagle import EAGLEConfig
+        hf = EAGLEConfig(hf, method=method, model_type="eagle")
+    return hf, method, None
+
+
+def vllm_block(folder: Path, fmt: str, ref: dict, tag: str, row, family: dict) -> None:
+    """A DFlash / DSpark folder through vLLM's own code on CPU: the config it builds (class, captured layers, mask
+    token), load_weights bit for bit, then one block drafted with its modules (fc, hidden_norm, qkv / o projections,
+    q_norm / k_norm, rotary embedding, MLP, norms, compute_logits; DSpark's Markov bias and confidence) against ours.
+    The attention core over [context K/V ; block K/V] is computed here: vLLM's backend needs its KV cache."""
+    import importlib
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+    from vllm.model_executor.models import registry
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    hf, method, tokens = vllm_block_config(folder, fmt, family["method"])
+    module_name, cls_name = registry._SPECULATIVE_DECODING_MODELS[hf.architectures[0]]
+    cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module_name}"), cls_name)
+    captured = list(get_eagle3_aux_layers_from_config(SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))))
+    proposer = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf), pass_hidden_states_to_model=False)
+    SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)  # where vLLM reads the mask token
+    mask, drafts = proposer.parallel_drafting_token_id, ref["logits"].shape[0]
+    ok = (captured == ref["feature_layers"] and mask == ref["mask_token_id"] and method == family["method"]
+          and tokens in (None, drafts))
+    row(f"{tag}: config", "pass" if ok else "fail",
+        f"{hf.architectures[0]} → {cls_name}; captures the inputs to layers {captured} (trained: "
+        f"{ref['feature_layers']}); mask token {mask}; method {method}"
+        + (f", num_speculative_tokens {tokens} (drafts per block: {drafts})" if tokens is not None else ""))
+
+    weights = load_file(str(folder / "model.safetensors"))
+    vc = vllm_stub_config(hf, 4, ref["target_embed"].shape[0])
+    vc.speculative_config.draft_model_config.model = str(folder)  # DFlash looks for a mask_embedding.pt beside it
+    model = vllm_build(cls, vc)
+    model.load_weights(iter(weights.items()))
+    full = "lm_head.weight" not in weights  # then the engine shares the target's lm_head
+    compare(row, tag, dict(model.named_parameters()), eagle3_expected(weights, "model."),
+            skip=("embed_tokens", "mask_embedding") + (("lm_head",) if full else ()))
+    gemm = vllm_cpu_ready(model, vc)
+    with torch.no_grad():
+        if full:
+            model.lm_head.weight.data.copy_(ref["target_lm_head"])
+        hidden = vllm_block_hidden(model.model, ref, captured, mask)  # [S, d]
+        heads = hasattr(model, "compute_draft_logits")  # DSpark: draft-vocab logits, then its Markov bias
+        first_row = 0 if heads and getattr(hf, "sample_from_anchor", True) else 1  # DFlash drafts from the masks
+        rows = hidden[first_row:]
+        checks = vllm_block_logits(model, rows, ref, heads)
+    bad = [name for name, good in checks.items() if not good]
+    row(f"{tag}: draft step", "pass" if not bad else "fail",
+        f"one block of {hidden.shape[0]} slots after 4 context positions, drafts from slot {first_row}: "
+        f"{', '.join(checks)} allclose to ours" + (f" except {bad}" if bad else "") + f"; {gemm}")
+
+
+def vllm_block_hidden(lm, ref: dict, captured, mask: int):
+    """The final hidden states [S, d] of the block [anchor, mask × (S − 1)] at positions t.., through vLLM's layers."""
+    import torch
+    import torch.nn.functional as F
+
+    features = torch.cat([ref["all_hidden"][i] for i in captured], -1)  # [t, m·d] what vLLM's target hands over
+    context = lm.hidden_norm(lm.fc(features))  # [t, d] (precompute_and_store_context_kv: hidden_norm, then K/V)
+    t = context.shape[0]
+    S = len(ref["positions"]) - t  # the block's slots
+    ids = torch.tensor([int(ref["anchor"])] + [mask] * (S - 1))
+    x, residual = ref["target_embed"][ids], None  # [S, d] the target's embedding, which the engine shares
+    at_context, at_block = torch.arange(t), torch.arange(t, t + S)
+    for layer in lm.layers:
+        a = layer.self_attn
+        if residual is None:
+            residual, h = x, layer.input_layernorm(x)
+        else:
+            h, residual = layer.input_layernorm(x, residual)
+
+        def qkv(states):
+            out = a.qkv_proj(states)
+            return (out[0] if isinstance(out, tuple) else out).split([a.q_size, a.kv_size, a.kv_size], -1)
+
+        def heads(v, n):  # [n_tok, n·hd] → per-head RMSNorm input [n_tok, n, hd]
+            return v.reshape(v.shape[0], n, a.head_dim)
+        q, k, v = qkv(h)
+        _, kc, vc = qkv(context)
+        q = a.q_norm(heads(q, a.num_heads)).reshape(q.shape)
+        k = a.k_norm(heads(k, a.num_kv_heads)).reshape(k.shape)
+        kc = a.k_norm(heads(kc, a.num_kv_heads)).reshape(kc.shape)
+        q, k = a.rotary_emb(at_block, q.clone(), k.clone())
+        _, kc = a.rotary_emb(at_context, kc.clone(), kc.clone())
+        keys = heads(torch.cat([kc, k]), a.num_kv_heads).transpose(0, 1)  # [kvh, t + S, hd]
+        values = heads(torch.cat([vc, v]), a.num_kv_heads).transpose(0, 1)
+        group = a.num_heads // a.num_kv_heads
+        out = F.scaled_dot_product_attention(heads(q, a.num_heads).transpose(0, 1), keys.repeat_interleave(group, 0),
+                                             values.repeat_interleave(group, 0), scale=a.scaling)  # non-causal
+        o = a.o_proj(out.transpose(0, 1).reshape(S, -1))
+        x, residual = layer.post_attention_layernorm(o[0] if isinstance(o, tuple) else o, residual)
+        x = layer.mlp(x)
+    hidden, _ = lm.norm(x, residual)
+    return hidden
+
+
+def vllm_block_logits(model, rows, ref: dict, heads: bool) -> dict:
+    """check name → allclose: the drafts' logits (full-vocabulary after d2t for DFlash; draft-vocabulary, the
+    Markov-corrected first draft, its confidence and its target id for DSpark)."""
+    import torch
+
+    def close(a, b):
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-4) and torch.equal(
+            a.isinf(), b.isinf())
+    if not heads:
+        logits = model.compute_logits(rows)  # [γ, V]: −inf off the draft vocabulary
+        ours = torch.full_like(logits, float("-inf"))
+        ours[:, ref["draft_ids"]] = ref["logits"].to(logits.dtype)
+        return {"compute_logits (d2t)": close(logits, ours)}
+    draft = model.compute_draft_logits(rows)  # [γ, Vd]
+    embed = model.markov_embed(ref["anchor"])  # [1, r] W1[prev], prev = the anchor
+    first = draft[:1] + model.markov_bias(embed)
+    checks = {"draft logits": close(draft, ref["logits"]), "Markov-corrected first draft": close(first[0], ref["first"])}
+    if ref["confidence"] is not None and getattr(model.model, "confidence_head", None) is not None:
+        checks["confidence"] = close(model.compute_confidence(rows[:1], embed)[0], torch.sigmoid(ref["confidence"]))
+    top = model.map_draft_to_target(first.argmax(-1))
+    checks["d2t of the first draft"] = int(top) == int(ref["draft_ids"][ref["first"].argmax()])
+    return checks
+
+
 def speculators_checks(folder: Path, work: Path, name: str, ref: dict, row) -> None:
     import torch
     from safetensors.torch import load_file
@@ -500,6 +668,191 @@ def speculators_checks(folder: Path, work: Path, name: str, ref: dict, row) -> N
         "pass" if same and not diff else "fail",
         "Eagle3Converter.convert of the `vllm` folder gives the same tensors and config keys" if same and not diff
         else f"tensors only in converter's: {extra[:4]}, only in ours: {missing[:4]}; config differs: {diff}")
+
+
+# ------------------------------------------------------------------------------ block drafters (speculators)
+def speculators_block(folder: Path, work: Path, name: str, ref: dict, row) -> None:
+    """A DFlash / DSpark speculators folder through the library's own SpeculatorModel.from_pretrained (the class
+    from speculators_model_type, the embedding and a full vocabulary's lm_head from the verifier); where the library
+    has a converter from z-lab's layout, our `vllm` folder converted must equal our `speculators` folder."""
+    import importlib.util
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from speculators.model import SpeculatorModel
+
+    tag = f"speculators {importlib.metadata.version('speculators')}"
+    weights = load_file(str(folder / "model.safetensors"))
+    os.chdir(work)  # verifier.name_or_path of a local target is its folder name: resolvable from beside it, as in use
+    model = SpeculatorModel.from_pretrained(str(folder))
+    sd, c = model.state_dict(), model.config
+    bad = [n for n, t in weights.items() if n not in sd or not torch.equal(sd[n].to(t.dtype), t)]
+    if "lm_head.weight" not in weights:  # a full vocabulary: the verifier's lm_head, loaded by the library
+        bad += [] if torch.equal(sd["lm_head.weight"], ref["target_lm_head"]) else ["lm_head.weight (verifier's)"]
+    conf = {"aux_hidden_state_layer_ids": list(c.aux_hidden_state_layer_ids) == ref["feature_layers"],
+            "mask_token_id": c.mask_token_id == ref["mask_token_id"],
+            "speculative_tokens": c.speculators_config.proposal_methods[0].speculative_tokens == ref["logits"].shape[0],
+            # the anchor slot drafts exactly when a block drafts as many tokens as it has slots (DSpark)
+            "sample_from_anchor": bool(c.sample_from_anchor) == (ref["logits"].shape[0] == len(ref["positions"]) - 4)}
+    wrong = [k for k, good in conf.items() if not good]
+    filled = "embedding" + ("" if "lm_head.weight" in weights else " and lm_head")
+    row(f"{tag}: from_pretrained", "pass" if not bad and not wrong else "fail",
+        f"{type(model).__name__}: {len(weights)} tensors bit-exact, the verifier's {filled} filled in; "
+        f"{', '.join(conf)} as trained" if not bad and not wrong else f"differ: {bad[:4]}; config wrong: {wrong}")
+    row(f"{tag}: draft step", "not-run", f"{type(model).__name__}.forward is the training-time loss over sampled "
+        "anchors with flex-attention block masks; no single-block inference entry point")
+    model_type = json.loads((folder / "config.json").read_text())["speculators_model_type"]
+    if importlib.util.find_spec(f"speculators.convert.{model_type}") is None:
+        row(f"{tag}: converter", "not-run", f"speculators has no converter for {model_type} checkpoints")
+        return
+    if "lm_head.weight" in weights:
+        row(f"{tag}: converter", "not-run", "the library's converter of z-lab checkpoints assumes the full vocabulary "
+            "(draft_vocab_size = vocab_size); this drafter's is pruned")
+        return
+    converter = importlib.import_module(f"speculators.convert.{model_type}")
+    cls = next(getattr(converter, n) for n in dir(converter) if n.endswith("Converter"))
+    out = work / "converted" / name
+    shutil.rmtree(out, ignore_errors=True)
+    cls().convert(work / "exports" / name / "vllm", out, base_model=str(work / "tiny-target"), validate=False)
+    conv, ours = load_file(str(out / "model.safetensors")), json.loads((folder / "config.json").read_text())
+    cc = json.loads((out / "config.json").read_text())
+    keys = ["speculators_model_type", "block_size", "mask_token_id", "aux_hidden_state_layer_ids", "draft_vocab_size"]
+    diff = {k: (cc.get(k), ours.get(k)) for k in keys if cc.get(k) != ours.get(k)}
+    body = [n for n in weights if n not in conv or not torch.equal(conv[n].to(weights[n].dtype), weights[n])]
+    row(f"{tag}: {cls.__name__}(vllm export) = our speculators export", "pass" if not diff and not body else "fail",
+        f"the library's conversion of the z-lab-layout `vllm` folder has our tensors and {', '.join(keys)}"
+        if not diff and not body else f"config differs: {diff}; tensors differ: {body[:4]}")
+
+
+# ----------------------------------------------------------------------------------- block drafters (SGLang)
+def loose_module(path: Path, namespace: Optional[dict] = None) -> dict:
+    """The top-level definitions of an SGLang source file that run without its imports: sglang.srt cannot be
+    imported here (triton, sgl_kernel are CUDA-only), and these functions need none of what fails."""
+    ns = {"__name__": f"loose_{path.stem}", **(namespace or {})}
+    for node in ast.parse(path.read_text()).body:
+        try:
+            exec(compile(ast.Module([node], []), str(path), "exec"), ns)
+        except Exception:  # an import of a CUDA-only module, or a definition built on one
+            continue
+    return ns
+
+
+def method_source(path: Path, cls: str, method: str, rename: Optional[Dict[str, str]] = None):
+    """One method of a class in `path` as a plain function (its decorators dropped, `rename` applied to its text:
+    super() needs the class, which cannot be built here)."""
+    tree = ast.parse(path.read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    fn.decorator_list = []
+    text = ast.unparse(fn)
+    for old, new in (rename or {}).items():
+        text = text.replace(old, new)
+    return text
+
+
+def sglang_block(folder: Path, ref: dict, row) -> None:
+    """A DFlash / DSpark folder read by SGLang's own code, taken from the installed wheel's source: its config parsers
+    (dflash_utils.parse_dflash_draft_config, dspark_config.parse_dspark_draft_config), the target's
+    set_dflash_layers_to_capture (models/llama.py), and the draft's load_weights (models/dflash.py, dspark.py) run
+    on recording parameters: which SGLang parameter (and shard) each of our tensors lands in."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    srt = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt"
+    tag = f"SGLang {importlib.metadata.version('sglang')}"
+    hf = AutoConfig.from_pretrained(str(folder))
+    utils = loose_module(srt / "speculative" / "dflash_utils.py")
+    parsed = utils["parse_dflash_draft_config"](draft_hf_config=hf)
+    ids = parsed.resolve_target_layer_ids(target_num_layers=4, draft_num_layers=hf.num_hidden_layers)
+    target = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True), model=SimpleNamespace())
+    capture = {"List": List, "Optional": Optional}  # its annotations
+    exec(method_source(srt / "models" / "llama.py", "LlamaForCausalLM", "set_dflash_layers_to_capture"), capture)
+    capture["set_dflash_layers_to_capture"](target, ids)
+    conf = {"captured layers": target.model.layers_to_capture == ref["feature_layers"],
+            "block size": parsed.block_size == len(ref["positions"]) - 4,
+            "mask token": parsed.mask_token_id == ref["mask_token_id"]}
+    weights = load_file(str(folder / "model.safetensors"))
+    heads = (srt / "models" / "dspark.py").is_file() and hf.architectures[0] in loose_entry_classes(srt / "models" / "dspark.py")
+    if heads:  # a DSpark draft: gamma (the drafts per block) and the Markov head as SGLang parses them
+        dspark = loose_module(srt / "speculative" / "dspark_components" / "dspark_config.py",
+                              {"parse_dflash_draft_config": utils["parse_dflash_draft_config"]})
+        d = dspark["parse_dspark_draft_config"](draft_hf_config=hf)
+        rank = weights["markov_head.markov_w1.weight"].shape[1]
+        conf.update({"gamma": d.gamma == ref["logits"].shape[0], "markov_rank": d.markov_rank == rank,
+                     "markov_head_type": d.markov_head_type == "vanilla",
+                     "sample_from_anchor": dspark["get_dspark_sample_from_anchor"](hf)})
+    wrong = [k for k, good in conf.items() if not good]
+    row(f"{tag}: config", "pass" if not wrong else "fail",
+        f"{hf.architectures[0]}: captures the inputs to layers {target.model.layers_to_capture} (trained: "
+        f"{ref['feature_layers']}), {', '.join(conf)} as trained" + (f"; wrong: {wrong}" if wrong else ""))
+
+    routed = sglang_block_routes(srt, weights, hf, heads)
+    shards = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1, None: 0}
+    got = {(n, shards[s]): w for n, s, w in routed}
+    expected = {}
+    for n, (pname, _, t) in eagle3_expected(weights, "").items():
+        sub = n.split(".")[-2]
+        expected[n] = (pname, {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}.get(sub, 0), t)
+    bad = [n for n, (p, s, t) in expected.items() if (p, s) not in got or not torch.equal(got[(p, s)], t)]
+    row(f"{tag}: weight-name mapping", "pass" if not bad else "fail",
+        f"{'DSparkDraftMixin' if heads else 'DFlashDraftModel'}.load_weights routes all {len(expected)} tensors "
+        "(q/k/v → qkv_proj shards, gate/up → gate_up_proj) bit-exact to the parameter names its module builds (read "
+        "from models/dflash.py, dspark.py); none ignored"
+        if not bad else f"not routed / differ: {bad[:4]}")
+    row(f"{tag}: module + draft step", "not-run", "importing sglang.srt needs triton and sgl_kernel (CUDA-only "
+        "wheels): SGLang's draft module cannot be built on this CPU-only machine")
+
+
+def loose_entry_classes(path: Path) -> List[str]:
+    """The class names in a model file's `EntryClass = [...]` (how SGLang registers architectures)."""
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "EntryClass")
+    return [e.id for e in node.value.elts]
+
+
+def sglang_block_routes(srt: Path, weights: dict, hf, heads: bool) -> list:
+    """(parameter, shard, tensor) for every tensor SGLang's load_weights loads, on a stand-in draft whose parameters
+    are the names SGLang's DFlashDraftModel (+ DSpark's heads) builds."""
+    import torch
+
+    loaded = []
+
+    def default_weight_loader(param, w, shard=None):
+        loaded.append((param.name, shard, w))
+
+    shapes: Dict[str, List[int]] = {}  # SGLang's parameter → its shape (q/k/v and gate/up stacked along rows)
+    for n, t in weights.items():
+        if n in ("d2t", "t2d", "lm_head.weight"):
+            continue
+        fused = (n.replace("q_proj", "qkv_proj").replace("k_proj", "qkv_proj").replace("v_proj", "qkv_proj")
+                 .replace("gate_proj", "gate_up_proj").replace("up_proj", "gate_up_proj"))
+        rows = shapes.get(fused, [0, *t.shape[1:]])[0] if fused != n else 0
+        shapes[fused] = [rows + t.shape[0], *t.shape[1:]]
+    params = {n: SimpleNamespace(name=n, shape=torch.Size(shape)) for n, shape in sorted(shapes.items())}
+    ns = {"torch": torch, "Iterable": __import__("typing").Iterable, "Tuple": tuple, "Optional": Optional, "List": List,
+          "default_weight_loader": default_weight_loader, "_logical_linear_weight_shape": None}
+    exec(method_source(srt / "models" / "dflash.py", "DFlashDraftModel", "load_weights"), ns)
+    base = ns["load_weights"]
+    draft = SimpleNamespace(named_parameters=lambda: list(params.items()), projector_type=None,
+                            is_nemotron_35_draft=False, num_context_features=len(hf.dflash_config["target_layer_ids"]),
+                            config=hf, confidence_head=object())
+    if not heads:
+        base(draft, iter(weights.items()))
+        return loaded
+    dspark = loose_module(srt / "models" / "dspark.py")
+    ns.update(_DSPARK_SKIPPED_WEIGHT_PREFIXES=dspark["_DSPARK_SKIPPED_WEIGHT_PREFIXES"])
+    exec(method_source(srt / "models" / "dspark.py", "DSparkDraftMixin", "load_weights",
+                       {"super().load_weights(": "self.base_load_weights("}), ns)
+    exec(method_source(srt / "models" / "dspark.py", "DSparkDraftMixin", "_load_confidence_weights"), ns)
+    draft.base_load_weights = lambda w: base(draft, iter(w))
+    confidence = ns["_load_confidence_weights"]
+    draft._load_confidence_weights = lambda **kw: confidence(draft, **kw)
+    ns["load_weights"](draft, iter(weights.items()))
+    return loaded
 
 
 def sglang_mapping(folder: Path, ref: dict, row) -> None:

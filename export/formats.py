@@ -16,9 +16,18 @@ it to the Hugging Face Hub.
                   medusa       the Medusa repo's layout: medusa_lm_head.safetensors with {i}.{j}.linear.*,
                                {i}.{L}.weight; 5 heads only (the repo's loader builds 5 whatever the config says)
     draft_model   hf-draft     a plain HF causal LM with the target's tokenizer
+    dflash,       vllm         the z-lab / DeepSpec layout vLLM and SGLang load (export/block.py): layers.N.*, fc,
+    dspark        sglang       hidden_norm, norm (DSpark: markov_head.*, confidence_head.*); target_layer_ids as
+                               layer outputs in dflash_config; a pruned vocabulary adds the target's lm_head rows
+                               and d2t (vllm only: SGLang cannot read one)
+                  speculators  the speculators library's DFlash / DSpark speculator (`vllm serve DIR`)
+
+One --format name serves every kind it lists: `--format vllm` writes an EAGLE-3 head, a DFlash or a DSpark drafter
+in the layout vLLM loads for that kind (the kind's `writer` picks the writer, WRITERS).
 
 Each export carries only the keys its engine reads (no specdrafter-only keys), so the model card says what happens
-when a folder is served by the other engine. ENGINES lists the engine versions known to load each format.
+when a folder is served by the other engine. ENGINES lists the engine versions known to load each format (for DFlash
+and DSpark, export/block.py:engine_versions from the kinds' BlockEngines).
 
 Every export also holds README.md (the model card: acceptance, serving commands, the aux-layer convention, the
 recipe), recipe.yaml and trainer_state.json (the training step). Medusa-2 heads come with the fine-tuned
@@ -34,13 +43,13 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from huggingface_hub import HfApi, get_token, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdrafter.core.checkpoints import find_checkpoints
 from specdrafter.core.io import (
@@ -49,16 +58,20 @@ from specdrafter.core.io import (
     atomic_write_text,
     json_file_problem,
     publish_dir,
+    save_weights,
     temp_dir_beside,
 )
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
 from specdrafter.eval.acceptance import speedup_of
+from specdrafter.export import block as block_export
 from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
-FORMATS = {f: k for k in KINDS.values() for f in k.formats}  # --format → the drafter kind it exports
+_ALL_FORMATS = dict.fromkeys(f for k in KINDS.values() for f in k.formats)  # in the order the kinds name them
+FORMATS: Dict[str, Tuple[Kind, ...]] = {f: tuple(k for k in KINDS.values() if f in k.formats)
+                                        for f in _ALL_FORMATS}  # --format → the drafter kinds it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
              "hf-draft": "transformers"}
@@ -126,6 +139,7 @@ class Target:
     name: str  # what to call it in the card: the Hub id, or the local folder's name (never its path)
     architectures: List[str]
     num_layers: Optional[int] = None  # num_hidden_layers of its config.json, where this machine has one
+    folder: Optional[Path] = None  # where its files are on this machine (read, never written into an export)
 
 
 def target_of(recipe: Optional[DictConfig]) -> Target:
@@ -139,11 +153,13 @@ def target_of(recipe: Optional[DictConfig]) -> Target:
     if model not in HUB_IDS and (model.startswith(("/", ".", "~")) or local.exists()):
         local, config = local.resolve(), read_config(local / "config.json")
         hub_id = builtin_hub_id(local)
-        return Target(hub_id, hub_id or local.name, config.get("architectures") or [], config.get("num_hidden_layers"))
-    config = hub_config(model)
+        return Target(hub_id, hub_id or local.name, config.get("architectures") or [], config.get("num_hidden_layers"),
+                      local if local.is_dir() else None)
+    folder = hub_folder(model)
+    config = read_config(folder / "config.json") if folder is not None else {}
     default = ["LlamaForCausalLM"] if model in HUB_IDS else []
     return Target(HUB_IDS.get(model, model), HUB_IDS.get(model, model), config.get("architectures") or default,
-                  config.get("num_hidden_layers"))
+                  config.get("num_hidden_layers"), folder)
 
 
 def builtin_hub_id(folder: Path) -> Optional[str]:
@@ -153,16 +169,16 @@ def builtin_hub_id(folder: Path) -> Optional[str]:
     return HUB_IDS[name] if name and (folder / "conversion_check.json").is_file() else None
 
 
-def hub_config(model: str) -> dict:
-    """The config.json of a built-in name or Hub id where this machine already has it (the built-in's converted
-    copy, the Hugging Face cache); nothing is downloaded. {} if none."""
+def hub_folder(model: str) -> Optional[Path]:
+    """The folder holding a built-in name's or Hub id's config.json where this machine already has it (the
+    built-in's converted copy, the Hugging Face cache's snapshot); nothing is downloaded. None if none."""
     if model in BUILTIN_DIRS and read_config(cache_dir() / "models" / BUILTIN_DIRS[model] / "config.json"):
-        return read_config(cache_dir() / "models" / BUILTIN_DIRS[model] / "config.json")
+        return cache_dir() / "models" / BUILTIN_DIRS[model]
     try:
         cached = try_to_load_from_cache(HUB_IDS.get(model, model), "config.json")
     except ValueError:  # not a valid repo id
         cached = None
-    return read_config(Path(cached)) if isinstance(cached, str) else {}
+    return Path(cached).parent if isinstance(cached, str) and read_config(Path(cached)) else None
 
 
 def read_config(path: Path) -> dict:
@@ -202,7 +218,7 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
     target = target_of(src.recipe)
     tmp = temp_dir_beside(out)
     try:
-        WRITERS[fmt](src, tmp, target, fmt)
+        WRITERS[src.kind.writer].write(src, tmp, target, fmt)
         if (src.drafter / "backbone").is_dir():  # Medusa-2: the heads read this fine-tuned backbone, not the target
             copy_hf_folder(src.drafter / "backbone", tmp / "backbone")
         recipe = None
@@ -225,9 +241,9 @@ def check_kind(src: Source, fmt: str) -> None:
     if not src.kind.formats:
         raise SpecdrafterError(f"{str(src.drafter)!r} holds {src.kind.description}, which has no engine format here: "
                                f"{src.kind.no_export}")
-    if FORMATS[fmt] is not src.kind:
-        raise SpecdrafterError(f"--format {fmt} exports {FORMATS[fmt].description}, but {str(src.drafter)!r} holds "
-                               f"{src.kind.description} (drafter kind {src.kind.name}); "
+    if src.kind not in FORMATS[fmt]:
+        raise SpecdrafterError(f"--format {fmt} exports {' or '.join(k.description for k in FORMATS[fmt])}, but "
+                               f"{str(src.drafter)!r} holds {src.kind.description} (drafter kind {src.kind.name}); "
                                f"use --format {' or '.join(src.kind.formats)}")
 
 
@@ -390,15 +406,6 @@ def copy_hf_folder(source: Path, folder: Path) -> None:
             shutil.copyfile(path, folder / path.name)
 
 
-def save_weights(tensors: Dict[str, torch.Tensor], path: Path) -> None:
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    os.chmod(path, 0o644)  # safetensors leaves 0600; published files are ordinary files
-
-
-WRITERS = {"vllm": write_eagle3, "sglang": write_eagle3, "speculators": write_eagle3, "medusa-vllm": write_medusa,
-           "medusa": write_medusa, "hf-draft": write_hf_draft}
-
-
 # -------------------------------------------------------------------------------------------- model card
 def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], model: str, folder: Path) -> str:
     """README.md: YAML front matter the Hub indexes, then acceptance, serving, the aux-layer convention and the recipe."""
@@ -414,9 +421,11 @@ def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], mo
                    "`backbone/`. That backbone **must be served as the target model** (the engine's target, or the "
                    "base model a Medusa loader opens): the heads read its hidden states, and decoding verifies against "
                    "it. With the original target the heads' acceptance drops."), ""]
-    lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *serving(fmt, src, target, model), ""]
-    if fmt in AUX_LAYER_FORMATS:
-        lines += ["## Aux-layer convention", "", aux_convention(folder, fmt), ""]
+    writer = WRITERS[kind.writer]
+    lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *writer.serving(fmt, src, target, model),
+              ""]
+    if writer.convention is not None:
+        lines += [f"## {writer.convention_title}", "", writer.convention(folder, fmt), ""]
     lines += ["## Files", "", *files_section(folder), ""]
     if recipe is not None:
         lines += ["## Recipe", "", ("The resolved training recipe (local paths reduced to their final component), "
@@ -600,3 +609,23 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, private: bool = False) 
 
 def _first_line(e: Exception, token: str) -> str:
     return ((str(e).strip().splitlines() or [type(e).__name__])[0]).replace(token, "***")
+
+
+# ------------------------------------------------------------------------------------------------ writers
+@dataclass(frozen=True)
+class Writer:
+    """One model family's writer (a kind's `writer` names it) and what the model card says about its exports."""
+    write: Callable[[Source, Path, Target, str], None]  # (src, folder, target, fmt): the files of the export
+    formats: Tuple[str, ...]  # the --format names it writes
+    serving: Callable[[str, Source, Target, str], List[str]]  # (fmt, src, target, model) → the card's Serving lines
+    convention: Optional[Callable[[Path, str], str]] = None  # (folder, fmt) → the card's layer-id section
+    convention_title: str = "Aux-layer convention"
+
+
+WRITERS: Dict[str, Writer] = {  # a kind's `writer` → its family's writer (kinds/: formats, writer)
+    "eagle": Writer(write_eagle3, AUX_LAYER_FORMATS, serving, aux_convention),
+    "medusa": Writer(write_medusa, ("medusa-vllm", "medusa"), serving),
+    "hf": Writer(write_hf_draft, ("hf-draft",), serving),
+    "block": Writer(block_export.write_block, block_export.FORMATS, block_export.serving, block_export.convention,
+                    "Layer-id convention"),
+}

@@ -6,7 +6,7 @@ A kind answers six questions:
     what it builds            drafter(cfg, target, data, tokenizer) → the training drafter (train/drafters.py)
     what it predicts          that drafter's predictions(module, batch, target) → [Prediction] (train/drafters.py)
     what decodes with it      proposer(cfg, target, path) → a Proposer / TreeProposer (inference/)
-    where it exports          formats: the export/formats.py formats that write it
+    where it exports          formats: the export/formats.py formats that write it; writer: its family's writer
     what it costs to train    planner_module / planner_activations / planner_checks (train/memory.py terms)
     how it is benchmarked     bench_arms(cfg) → [ArmSpec] (eval/bench_decode.py builds and times them)
 """
@@ -49,6 +49,7 @@ class Kind:
     recipe: Optional[str] = None  # the SmolLM2 recipe (recipes/) that trains it: benchmarks and conformance start there
     needs_folder: bool = True  # decoding needs drafter.path (a self-draft is built from the target)
     formats: Tuple[str, ...] = ()  # export/formats.py formats that write this kind
+    writer: str = ""  # export/formats.py:WRITERS key: the model family's writer of those formats
     no_export: str = "that kind has no export"  # why, when `formats` is empty
     card_title: str = "Drafter"  # the model card's heading
     card_tag: str = ""  # the Hub tag of its model card

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
@@ -11,25 +12,57 @@ from specdrafter.core.recipe import RecipeError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
 from specdrafter.kinds.base import ArmSpec, Kind
-from specdrafter.models.block import VARIANTS, BlockDrafter, block_variant, default_target_layer_ids, load_block_drafter
+from specdrafter.models.block import (
+    VARIANTS,
+    BlockDrafter,
+    Variant,
+    block_variant,
+    default_target_layer_ids,
+    load_block_drafter,
+)
 from specdrafter.train import memory
 from specdrafter.train.block import BlockTrainingDrafter, drafter_config
+
+
+@dataclass(frozen=True)
+class BlockEngines:
+    """What the engines call one block-drafter variant (export/block.py writes the folders, docs/formats.md lists
+    where each name comes from)."""
+    method: str  # vLLM's speculative-config "method", also the speculators library's speculators_model_type
+    sglang_algorithm: str  # SGLang's --speculative-algorithm
+    architecture: str  # config.json `architectures` of the vllm / sglang folder (both engines register the name)
+    speculators_architecture: str  # `architectures` of the speculators folder (its model class)
+    vllm_since: str  # the first vLLM release that serves the folder as trained (the model card says it)
+    sglang_since: str  # the first SGLang release with the algorithm
+    speculators_since: str  # the first speculators release with the model
 
 
 class BlockKind(Kind):
     """What DFlash and DSpark share; `name` is also the models/block.py variant."""
     launcher = "train_block.py"
     trees = ()
-    no_export = "its engine formats are not written yet"
+    formats = ("vllm", "sglang", "speculators")
+    writer = "block"
+    engines: BlockEngines
     memory_fixes = {"activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"}
     plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256", "drafter.block.anchors=8")
+
+    @property
+    def variant(self) -> Variant:
+        """The model's variant: whether the anchor slot drafts (label_shift) and whether the DSpark heads exist."""
+        return VARIANTS[self.name]
 
     def recognises(self, config: dict) -> bool:
         return block_variant(config) == self.name
 
     def drafts(self, cfg: DictConfig) -> int:
-        """γ: drafts per block (DFlash's anchor slot drafts nothing)."""
-        return cfg.drafter.block.block_size - (0 if VARIANTS[self.name].label_shift else 1)
+        """γ: drafts per block of the recipe."""
+        return self.drafts_per_block(cfg.drafter.block.block_size)
+
+    def drafts_per_block(self, block_size: int) -> int:
+        """γ of a block of `block_size` slots: DFlash's anchor slot drafts nothing, DSpark's does (label shift).
+        The engines' num_speculative_tokens."""
+        return block_size - (0 if self.variant.label_shift else 1)
 
     def check_recipe(self, cfg: DictConfig) -> None:
         super().check_recipe(cfg)
@@ -100,16 +133,36 @@ class BlockKind(Kind):
 
     # -------------------------------------------------------------------------------------- conformance
     def reference_step(self, module, target, hidden_states, ids) -> dict:
-        """One block at position 4 after the context 0..3 (HF hidden_states: index k + 1 is layer k's output)."""
+        """One block at position 4 after the context 0..3 (HF hidden_states: index k + 1 is layer k's output). Also
+        every layer's states of the context, from which a check picks the features by the engine's own reading of
+        the folder's ids, and DSpark's first draft through its heads (prev = the anchor)."""
         t = 4
         context = torch.cat([hidden_states[k + 1][:, :t] for k in module.config.target_layer_ids], -1)  # [1, t, m·d]
         cache = module.new_cache()
         module.extend_context(cache, context)
-        block = module.draft_block(cache, ids[0, t:t + 1], target)
-        return {"context": context[0], "anchor": ids[0, t:t + 1], "logits": block.logits[0], "hidden": block.hidden[0]}
+        anchor = ids[0, t:t + 1]
+        block = module.draft_block(cache, anchor, target)
+        first, confidence = module.heads(block.logits[:, 0], block.hidden[:, 0], anchor)  # DFlash: logits unchanged
+        return {"context": context[0], "anchor": anchor, "positions": torch.arange(t + module.config.block_size),
+                "all_hidden": torch.stack([h[0, :t] for h in hidden_states]),  # [L + 1, t, d]: [i] = input to layer i
+                "feature_layers": module.feature_layers, "mask_token_id": module.config.mask_token_id,
+                "draft_ids": module.draft_ids, "logits": block.logits[0], "hidden": block.hidden[0], "first": first[0],
+                "confidence": confidence[0] if confidence is not None else None,
+                "target_embed": target.get_input_embeddings().weight, "target_lm_head": target.get_output_embeddings().weight}
 
     def conformance_variants(self) -> Dict[str, List[str]]:
-        return {}
+        """A tiny drafter over three target layer outputs with the full vocabulary, and one with a pruned vocabulary
+        (which the vllm and speculators exports carry with the target's lm_head rows, and SGLang cannot read)."""
+        tiny = ["drafter.block.num_layers=2", "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0,1,2]",
+                "drafter.block.markov_rank=8"]
+        return {f"{self.name}-full": [*tiny, "drafter.block.draft_vocab_size=0"],
+                f"{self.name}-pruned": [*tiny, "drafter.block.draft_vocab_size=1024"]}
+
+    def perturb(self, module, name: str, vocab_size: int) -> None:
+        """A pruned draft vocabulary that is not the first Vd ids, so that d2t and the lm_head rows must be read right."""
+        Vd = len(module.d2t)
+        if Vd < vocab_size:
+            module.set_draft_vocab(torch.randperm(vocab_size)[:Vd].sort().values)
 
 
 class DFlash(BlockKind):
@@ -118,6 +171,10 @@ class DFlash(BlockKind):
     recipe = "smollm2-135m-dflash.yaml"
     card_title = "DFlash block drafter"
     card_tag = "dflash"
+    # z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
+    # vLLM 0.20-0.21 have the class but read dflash_config.target_layer_ids as layer inputs (one layer early)
+    engines = BlockEngines("dflash", "DFLASH", "DFlashDraftModel", "DFlashSpeculator", vllm_since="0.22.0",
+                           sglang_since="0.5.11", speculators_since="0.5.0")
 
 
 class DSpark(BlockKind):
@@ -126,3 +183,8 @@ class DSpark(BlockKind):
     recipe = "smollm2-135m-dspark.yaml"
     card_title = "DSpark block drafter"
     card_tag = "dspark"
+    # DeepSpec's name for the dense Qwen3 DSpark draft: vLLM's qwen3_dspark.py and SGLang's models/dspark.py
+    # register it (vLLM maps "DSparkDraftModel" to DeepSeek-V4's DSpark unless the config is a qwen3 one); vLLM
+    # 0.25-0.27 have the class but skip the confidence head's weights
+    engines = BlockEngines("dspark", "DSPARK", "Qwen3DSparkModel", "DSparkSpeculator", vllm_since="0.28.0",
+                           sglang_since="0.5.16", speculators_since="0.7.0")

@@ -32,6 +32,7 @@ class DraftModel(Kind):
     launcher = "train_draft.py"
     recipe = "smollm2-135m-draft.yaml"
     formats = ("hf-draft",)
+    writer = "hf"
     card_title = "Draft model"
     card_tag = "draft-model"
     plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")

@@ -32,6 +32,7 @@ class Eagle3(Kind):
     launcher = "train_eagle.py"
     recipe = "smollm2-135m-eagle3.yaml"
     formats = ("vllm", "sglang", "speculators")
+    writer = "eagle"
     card_title = "EAGLE-3 draft head"
     card_tag = "eagle3"
     trees = ("dynamic",)

@@ -26,6 +26,7 @@ class Medusa(Kind):
     launcher = "train_medusa.py"
     recipe = "smollm2-135m-medusa.yaml"
     formats = ("medusa-vllm", "medusa")
+    writer = "medusa"
     card_title = "Medusa heads"
     card_tag = "medusa"
     typical = True

@@ -1,4 +1,6 @@
 """Export a trained drafter for vLLM / SGLang / speculators / Medusa / HF, with a model card; optionally push it.
+EAGLE-3, DFlash and DSpark drafters all export with --format vllm, sglang or speculators (the checkpoint's kind
+picks the layout).
 
     python launch/export.py CHECKPOINT --format {sglang,vllm,speculators,medusa-vllm,medusa,hf-draft} --out DIR
                             [--overwrite] [--push-to-hub REPO_ID [--private]]

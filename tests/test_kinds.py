@@ -28,10 +28,13 @@ def test_every_trainable_kind_has_its_launcher_and_recipe():
             assert (REPO / "recipes" / kind.recipe).is_file(), kind.name
 
 
-def test_every_format_has_a_writer_and_one_kind():
-    assert set(FORMATS) == set(WRITERS)
-    for fmt, kind in FORMATS.items():
-        assert [k for k in KINDS.values() if fmt in k.formats] == [kind]
+def test_every_format_has_a_writer_for_each_of_its_kinds():
+    """One --format may serve several kinds (`vllm`: EAGLE-3, DFlash, DSpark); each kind's writer writes it."""
+    assert set(FORMATS) == {f for w in WRITERS.values() for f in w.formats}
+    for fmt, kinds in FORMATS.items():
+        assert list(kinds) == [k for k in KINDS.values() if fmt in k.formats] and kinds
+        assert all(k.writer in WRITERS and fmt in WRITERS[k.writer].formats for k in kinds), fmt
+    assert [k.name for k in FORMATS["vllm"]] == ["eagle3", "dflash", "dspark"]
 
 
 @pytest.mark.parametrize("config, name", [
@@ -40,6 +43,9 @@ def test_every_format_has_a_writer_and_one_kind():
     ({"model_type": "medusa"}, "medusa"),
     ({"architectures": ["MedusaModel"]}, "medusa"),
     ({"architectures": ["LlamaForCausalLM"]}, "draft_model"),
+    ({"architectures": ["DFlashDraftModel"], "variant": "dflash"}, "dflash"),
+    ({"architectures": ["DSparkDraftModel"], "variant": "dspark"}, "dspark"),
+    ({"architectures": ["DSparkDraftModel"], "variant": "dflash"}, None),  # the variant names another architecture
     ({"architectures": ["BertModel"]}, None),
 ])
 def test_a_folder_config_names_its_kind(config, name):
