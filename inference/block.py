@@ -24,12 +24,15 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.proposers import Proposal
 from specdrafter.inference.sampling import SamplingParams, draw
-from specdrafter.models.block import BlockDrafter
+from specdrafter.models.block import BlockDrafter, check_config
 
 
 def check_drafter_fits(drafter: BlockDrafter, target: nn.Module) -> None:
     """A drafter trained for another target reads the wrong features: one line naming what differs."""
     c, t = drafter.config, target.config
+    if not c.num_target_layers:  # a folder that does not say (speculators'): the ids must fit this target
+        c.num_target_layers = t.num_hidden_layers
+        check_config(c, f"the {c.variant} drafter on this target")
     for name, ours, theirs in (("num_target_layers", c.num_target_layers, t.num_hidden_layers),
                                ("target_hidden_size", c.target_hidden_size or c.hidden_size, t.hidden_size),
                                ("vocab_size", c.vocab_size, t.vocab_size)):

@@ -71,7 +71,7 @@ class BlockDrafterConfig(Qwen3Config):
     block_size: int = 16  # slots per block: the anchor and block_size − 1 masks
     mask_token_id: int = DEFAULT_MASK_TOKEN_ID  # an unused row of the target's embedding
     target_layer_ids: list[int] | None = None  # target layer outputs read (DFlash's convention), increasing
-    num_target_layers: int = 0
+    num_target_layers: int = 0  # 0: unknown until the drafter meets its target (inference/block.py fills it in)
     target_hidden_size: int | None = None  # the features' width d_t (None: hidden_size)
     draft_vocab_size: int | None = None  # None: the full vocabulary
     markov_rank: int = 0  # r of DSpark's Markov head; 0: none
@@ -91,10 +91,10 @@ def config_problem(c: BlockDrafterConfig) -> Optional[str]:
         return f"mask_token_id = {c.mask_token_id} is outside the target's embedding (rows 0..{c.vocab_size - 1})"
     if not ids:
         return "target_layer_ids is empty; the drafter reads at least one target layer"
-    if L - 1 in ids:
+    if L and L - 1 in ids:  # num_target_layers 0: not known yet (a speculators folder), checked against the target
         return (f"target_layer_ids names {L - 1}, the last layer's output, which the target reports after its final "
                 f"norm; use layer outputs 0..{L - 2}")
-    bad = next((k for k in ids if not 0 <= k <= L - 2), None)
+    bad = next((k for k in ids if not 0 <= k <= (L - 2 if L else k)), None)
     if bad is not None:
         return f"target_layer_ids names {bad}, outside 0..{L - 2} (the outputs of a target with {L} layers)"
     if ids != sorted(set(ids)):
@@ -463,11 +463,63 @@ def copy_target_layers(drafter: BlockDrafter, target: nn.Module) -> List[str]:
     return copied
 
 
+# The engines' folders (export/block.py writes them; z-lab's DFlash and DeepSpec's DSpark checkpoints share the
+# vLLM / SGLang layout): architecture or speculators_model_type → the variant they hold.
+ENGINE_ARCHITECTURES = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark", "DSparkDraftModel": "dspark"}
+SPECULATORS_TYPES = {"DFlashSpeculator": "dflash", "DSparkSpeculator": "dspark"}
+
+
 def block_variant(config: dict) -> Optional[str]:
-    """The block drafter variant a config.json of ours holds (None: not one of ours)."""
+    """The block drafter variant a config.json holds: ours, or an engine's layout (`engine_layout`); None: neither."""
     variant, archs = config.get("variant"), config.get("architectures")
-    known = variant in VARIANTS and isinstance(archs, list) and VARIANTS[variant].architecture in archs
-    return variant if known else None
+    if variant in VARIANTS and isinstance(archs, list) and VARIANTS[variant].architecture in archs:
+        return variant
+    ours = engine_layout(config)
+    return ours["variant"] if ours else None
+
+
+def engine_layout(config: dict) -> Optional[dict]:
+    """Our config.json for a folder in an engine's layout (None: not one). vLLM / SGLang (z-lab, DeepSpec): the layer
+    config at top level, `dflash_config` holding target_layer_ids (layer outputs, as ours) and mask_token_id.
+    speculators: `transformer_layer_config`, and aux_hidden_state_layer_ids that are layer inputs (ours + 1)."""
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    if isinstance(config.get("dflash_config"), dict):
+        variant = next((ENGINE_ARCHITECTURES[a] for a in archs if a in ENGINE_ARCHITECTURES), None)
+        layer, ids = dict(config), config["dflash_config"].get("target_layer_ids")
+        mask = config["dflash_config"].get("mask_token_id")
+    elif isinstance(config.get("transformer_layer_config"), dict):
+        variant = next((SPECULATORS_TYPES[a] for a in archs if a in SPECULATORS_TYPES), None)
+        layer, aux = dict(config["transformer_layer_config"]), config.get("aux_hidden_state_layer_ids")
+        ids, mask = [k - 1 for k in aux] if isinstance(aux, list) else None, config.get("mask_token_id")
+        layer.pop("num_target_layers", None)  # not the verifier's: speculators does not record its depth
+    else:
+        return None
+    if variant is None:
+        return None
+    fields = ("block_size", "num_target_layers", "target_hidden_size", "draft_vocab_size", "markov_rank",
+              "enable_confidence_head")
+    ours = {k: v for k, v in layer.items() if k in BlockDrafterConfig.__dataclass_fields__ or k in Qwen3Config().to_dict()}
+    ours.update({k: config[k] for k in fields if k in config})
+    if ours.get("draft_vocab_size") == ours.get("vocab_size"):
+        ours["draft_vocab_size"] = None  # the full vocabulary
+    ours.pop("rope_theta", None)
+    ours.pop("rope_scaling", None)
+    return {**ours, "variant": variant, "architectures": [VARIANTS[variant].architecture], "target_layer_ids": ids,
+            "mask_token_id": mask, "tie_word_embeddings": False}
+
+
+def engine_weights(weights: Dict[str, torch.Tensor], config: dict) -> Dict[str, torch.Tensor]:
+    """An engine folder's tensors as ours: its `lm_head` rows (the target's, copied for a pruned vocabulary) dropped
+    — we read the target's own — and the identity d2t / t2d a full-vocabulary folder leaves out."""
+    weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    V = config["vocab_size"]
+    if "d2t" not in weights and not config.get("draft_vocab_size"):
+        weights["d2t"] = torch.zeros(V, dtype=torch.long)
+    if "t2d" not in weights and "d2t" in weights:  # marks the target ids of the draft vocabulary
+        d2t = weights["d2t"].long()
+        weights["t2d"] = torch.zeros(V, dtype=torch.bool)
+        weights["t2d"][torch.arange(len(d2t)) + d2t] = True
+    return weights
 
 
 def save_block_drafter(drafter: BlockDrafter, folder: str | Path) -> Path:
@@ -491,6 +543,10 @@ def load_block_drafter(folder: str | Path, variant: Optional[str] = None, dtype:
     if variant is not None and found != variant:
         raise SpecdrafterError(f"{str(folder)!r} holds a {found} drafter, not a {variant} one")
     weights = read_safetensors(folder / "model.safetensors")
+    engine = raw.get("variant") != found  # an engine's folder: its config mapped to ours, its extra tensors dropped
+    if engine:
+        raw = engine_layout(raw)
+        weights = engine_weights(weights, raw)
     try:
         config = BlockDrafterConfig.from_dict(raw)
     except (StrictDataclassError, TypeError, ValueError) as e:  # a value of another type than the field's

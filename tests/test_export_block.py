@@ -272,3 +272,24 @@ def test_a_block_drafter_refuses_another_kinds_format_in_one_line(tmp_path, chec
                                                r"speculators") as e:
         export(folder, "medusa", tmp_path / "m")
     assert "\n" not in str(e.value) and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("variant, pruned, fmt", [("dflash", False, "vllm"), ("dspark", False, "sglang"),
+                                                  ("dspark", True, "vllm"), ("dflash", True, "speculators"),
+                                                  ("dspark", False, "speculators")])
+def test_an_engine_folder_loads_back_as_the_drafter_it_came_from(tmp_path, checkpoint, target, variant, pruned, fmt):
+    """z-lab / DeepSpec / speculators folders decode here too: every tensor and the drafts of one block are ours."""
+    from specdrafter.kinds import KINDS, kind_of_config
+    from specdrafter.models.block import load_block_drafter
+    folder, drafter = checkpoint(variant, pruned)
+    out = export(folder, fmt, tmp_path / fmt)
+    assert kind_of_config(config(out)) is KINDS[variant]
+    loaded = load_block_drafter(out, variant)
+    assert loaded.config.target_layer_ids == IDS and loaded.config.mask_token_id == drafter.config.mask_token_id
+    mine, theirs = drafter.state_dict(), loaded.state_dict()
+    assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    inputs = [k + 1 for k in IDS]
+    torch.testing.assert_close(block_logits(loaded, target, inputs), block_logits(drafter, target, inputs))
+    from specdrafter.inference.block import BlockProposer
+    BlockProposer(loaded, target)  # speculators records no target depth: the decoder checks the ids against this one
+    assert loaded.config.num_target_layers == L
