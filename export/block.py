@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, save_weights
+from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.models.block import BlockDrafter, load_block_drafter
 
 if TYPE_CHECKING:  # export/formats.py imports this module: its types only for the annotations
@@ -84,12 +85,7 @@ def format_problem(kind: BlockKind, drafter: BlockDrafter, fmt: str) -> Optional
 def layer_config(raw: dict) -> dict:
     """The backbone's Qwen3 layer settings: our own keys removed, `rope_theta` (and `rope_scaling`) spelled out beside
     transformers 5's `rope_parameters`, since engines read either (vLLM's DFlash layer defaults a missing theta to 10⁶)."""
-    layer = {k: v for k, v in raw.items() if k not in NOT_LAYER}
-    rope = raw.get("rope_parameters") or {}
-    if "rope_theta" in rope:
-        layer.setdefault("rope_theta", rope["rope_theta"])
-    if rope.get("rope_type", "default") != "default":
-        layer.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    layer = with_rope_keys({k: v for k, v in raw.items() if k not in NOT_LAYER}, raw)
     return {**layer, "model_type": "qwen3", "tie_word_embeddings": False}
 
 

@@ -65,6 +65,7 @@ from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.export import block as block_export
+from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.kinds import KINDS, Kind, kind_of_config
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
@@ -334,12 +335,7 @@ def draft_layer_config(raw: dict) -> dict:
     missing rope_theta would silently fall back to 10000."""
     drop = {"architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual",
             "eagle_aux_hidden_state_layer_ids", "_name_or_path"}
-    layer = {k: v for k, v in raw.items() if k not in drop}
-    rope = raw.get("rope_parameters") or {}
-    if "rope_theta" in rope:
-        layer.setdefault("rope_theta", rope["rope_theta"])
-    if rope.get("rope_type", "default") != "default":
-        layer.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    layer = with_rope_keys({k: v for k, v in raw.items() if k not in drop}, raw)
     return {**layer, "model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}
 
 

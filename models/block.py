@@ -469,6 +469,9 @@ ENGINE_ARCHITECTURES = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspar
 SPECULATORS_TYPES = {"DFlashSpeculator": "dflash", "DSparkSpeculator": "dspark"}
 
 
+CONFIG_KEYS = set(Qwen3Config().to_dict()) | set(BlockDrafterConfig.__dataclass_fields__)  # what engine_layout keeps
+
+
 def block_variant(config: dict) -> Optional[str]:
     """The block drafter variant a config.json holds: ours, or an engine's layout (`engine_layout`); None: neither."""
     variant, archs = config.get("variant"), config.get("architectures")
@@ -498,7 +501,7 @@ def engine_layout(config: dict) -> Optional[dict]:
         return None
     fields = ("block_size", "num_target_layers", "target_hidden_size", "draft_vocab_size", "markov_rank",
               "enable_confidence_head")
-    ours = {k: v for k, v in layer.items() if k in BlockDrafterConfig.__dataclass_fields__ or k in Qwen3Config().to_dict()}
+    ours = {k: v for k, v in layer.items() if k in CONFIG_KEYS}
     ours.update({k: config[k] for k in fields if k in config})
     if ours.get("draft_vocab_size") == ours.get("vocab_size"):
         ours["draft_vocab_size"] = None  # the full vocabulary
