@@ -69,11 +69,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def remove_stale_temps(folder: Path) -> None:
-    """Delete temp files/folders a killed run left behind (they are never trusted, only cleaned up)."""
+def remove_stale_temps(folder: Path, name: str = "") -> None:
+    """Delete temp files/folders a killed run left behind (they are never trusted, only cleaned up); with `name`,
+    only those of that file or folder (another process may be writing the others)."""
     if not folder.is_dir():
         return
-    for p in folder.glob(".*.tmp"):
+    for p in folder.glob(f".{name}.*.tmp" if name else ".*.tmp"):
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 

@@ -388,7 +388,7 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     num_conversations: the selection is a prefix of one seeded order and each shard's prompt ids are checked, so
     a dataset grows or shrinks by whole shards without regenerating the others)."""
     d = OmegaConf.to_container(cfg.data, enum_to_str=True)
-    for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency"):
+    for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency", "workers", "worker"):
         d.pop(k, None)
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
             **{f"data.{k}": v for k, v in d.items()}}
@@ -481,11 +481,15 @@ def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int
 def generate_dataset(cfg: DictConfig) -> dict:
     """The data job: select prompts, regenerate responses with the target shard by shard, cache features."""
     d = cfg.data
+    if d.worker >= d.workers:
+        raise SpecdrafterError(f"recipe key 'data.worker' ({d.worker}) must be below data.workers ({d.workers}): "
+                               f"workers are numbered 0..{d.workers - 1}")
     out = Path(cfg.output_dir).expanduser()
     (out / "shards").mkdir(parents=True, exist_ok=True)
     save_recipe(cfg, out)
-    remove_stale_temps(out / "shards")
-    remove_stale_temps(out / "hidden")
+    if d.workers == 1:  # parallel workers clean up only their own shards' temps (below)
+        remove_stale_temps(out / "shards")
+        remove_stale_temps(out / "hidden")
 
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
     model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
@@ -535,6 +539,12 @@ def generate_dataset(cfg: DictConfig) -> dict:
     kept = len(shards) - len(todo)
     if kept:
         log.info(f"resuming: {kept} of {len(shards)} shards already done")
+    others = [i for i in todo if i % d.workers != d.worker]
+    todo = [i for i in todo if i % d.workers == d.worker]
+    if d.workers > 1:
+        for i in todo:
+            remove_stale_temps(out / "shards", shard_name(i))
+        log.info(f"worker {d.worker} of {d.workers}: {len(todo)} shards here, {len(others)} for the other workers")
 
     progress = tqdm(total=sum(len(shards[i]) for i in todo) * d.max_turns, unit="turn", desc="generating",
                     dynamic_ncols=True)
@@ -564,6 +574,14 @@ def generate_dataset(cfg: DictConfig) -> dict:
         write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
     progress.close()
     gen_seconds = time.perf_counter() - start
+    waiting = [i for i in others if shard_problem(out / "shards" / shard_name(i), [p["id"] for p in shards[i]],
+                                                  settings) is not None]
+    if waiting:  # the other workers' shards: whoever finishes last assembles the dataset
+        log.info(f"worker {d.worker} of {d.workers} done ({len(todo)} shards); {len(waiting)} shards are still the other "
+                 f"workers' ({', '.join(shard_name(i) for i in waiting[:4])}{', …' if len(waiting) > 4 else ''}): "
+                 "the last worker to finish writes stats.json")
+        return {"shards": len(shards), "waiting": len(waiting), "this_run": {"generated_tokens": gen_tokens,
+                                                                              "seconds": round(gen_seconds, 2)}}
 
     dataset = load_generated(out, num_shards=len(shards))
     if layer_ids:

@@ -95,6 +95,23 @@ def test_resume_keeps_finished_shards_and_reproduces_missing_ones(tmp_path, tiny
     assert shard_rows(tmp_path) == first  # per-shard seeds: the regenerated shard is the same sample
 
 
+def test_parallel_workers_split_the_shards_and_make_the_same_dataset(tmp_path, tiny_target, prompt_file):
+    one = tmp_path / "one"
+    generate_dataset(recipe(one, tiny_target, prompt_file, "data.num_conversations=9"))
+    split = tmp_path / "split"
+    first = generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2"))
+    assert first["waiting"] == 1 and not (split / "stats.json").exists()  # worker 0 made shards 0 and 2, not 1
+    assert sorted(p.name for p in (split / "shards").glob("shard-*")) == ["shard-00000", "shard-00002"]
+    stale = split / "shards" / ".shard-00002.abc.tmp"  # a temp of a shard that is not worker 1's: not its to delete
+    stale.mkdir()
+    last = generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2",
+                                   "data.worker=1"))
+    assert last["conversations"] == 9 and (split / "stats.json").is_file() and stale.exists()
+    assert shard_rows(split) == shard_rows(one)  # per-shard seeds: who made a shard does not change it
+    with pytest.raises(SpecdrafterError, match="data.worker' \\(2\\) must be below data.workers \\(2\\)"):
+        generate_dataset(recipe(split, tiny_target, prompt_file, "data.workers=2", "data.worker=2"))
+
+
 def test_corrupt_shard_is_named_moved_aside_and_regenerated(tmp_path, tiny_target, prompt_file, caplog):
     cfg = recipe(tmp_path, tiny_target, prompt_file)
     generate_dataset(cfg)
