@@ -244,6 +244,39 @@ def test_predictions_line_up_with_the_targets_rows(tmp_path, kind, extra, peaky_
         assert torch.equal(drafter.module.lm_head.weight, target.lm_head.weight[drafter.module.draft_ids])
 
 
+BLOCK_TINY = ["drafter.block.num_layers=1", "drafter.block.block_size=4", "drafter.block.target_layer_ids=[1,2]",
+              "drafter.block.anchors=6", "drafter.block.draft_vocab_size=1024", "drafter.block.markov_rank=16"]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_drafters_read_the_same_rows_from_the_feature_cache_as_online(tmp_path, kind, peaky_target, data_dir,
+                                                                            target, smollm2_tokenizer):
+    """Offline, a block drafter reads the data job's cached layers (and the last one for the teacher): its drafts,
+    the teacher rows and the loss equal those it gets computing the features online, batch for batch."""
+    results = {}
+    for mode in ("online", "offline"):
+        cfg = load_recipe(REPO / "recipes" / f"smollm2-135m-{kind}.yaml", [
+            f"output_dir={tmp_path / mode}", f"target.model={peaky_target}", f"train.data_dir={data_dir}", *TINY,
+            *BLOCK_TINY, f"train.features={mode}"])
+        data = training_data(cfg, target, smollm2_tokenizer)
+        assert (data.features is not None) == (mode == "offline")
+        torch.manual_seed(0)
+        drafter = build_drafter(cfg, target, data)
+        batch = data.batch(data.train[:3])
+        layers = feature_layers(cfg, target.config)
+        torch.manual_seed(1)  # the same anchors
+        with torch.no_grad():
+            preds = drafter.predictions(drafter.module, batch, run_target(target, batch, layers, drafter.teacher_ids))
+        results[mode] = preds, Objective.of(cfg.train)
+    (online, objective), (offline, _) = results["online"], results["offline"]
+    assert [p.name for p in online] == [p.name for p in offline] and len(online) == (4 if kind == "dspark" else 3)
+    for a, b in zip(online, offline):
+        assert len(a.draft_logits) > 0
+        torch.testing.assert_close(b.draft_logits, a.draft_logits, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(b.target_logits, a.target_logits, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(b.loss(objective)[0], a.loss(objective)[0], atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_draft_vocabulary_teacher_gives_the_full_teachers_numbers(tmp_path, monkeypatch, peaky_target, data_dir, target,
                                                                   smollm2_tokenizer, temperature):
