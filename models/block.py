@@ -185,15 +185,29 @@ class BlockAttention(nn.Module):
         v = self.v_proj(x).view(B, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, n, hd]
         return _rotate(k, *rope), v
 
-    def forward(self, x: torch.Tensor, rope: KV, context: KV, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: KV, context: KV, block_size: int,
+                sees_context: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [B, N·S, d]: N blocks of S = block_size slots. Every slot attends over the context keys its block may see
+        (sees_context [B, N, T] bool; None: all of them) and over its own block's S slots, never another block's:
+        scores [.., N·S, T + S], not [.., N·S, T + N·S] — what lets training put hundreds of blocks in one pass."""
         B, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, n, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, h, n, hd]
-        k, v = self.keys_values(x, rope)
-        k = torch.cat([context[0], k], dim=2)  # [B, kvh, T + n, hd]
-        v = torch.cat([context[1], v], dim=2)  # [B, kvh, T + n, hd]
-        out = F.scaled_dot_product_attention(_rotate(q, *rope), k, v, attn_mask=mask,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)  # [B, h, n, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, -1))  # [B, n, d]
+        S, h, kvh, hd = block_size, self.num_heads, self.num_kv_heads, self.head_dim
+        N, g = n // S, h // kvh  # query head i reads kv head i // g (grouped-query attention)
+        q = self.q_norm(self.q_proj(x).view(B, n, h, hd)).transpose(1, 2)  # [B, h, n, hd]
+        q = _rotate(q, *rope).reshape(B, kvh, g, n, hd) * hd ** -0.5
+        k, v = self.keys_values(x, rope)  # [B, kvh, n, hd] the blocks' own
+        context_k, context_v = context  # [B, kvh, T, hd]
+        T = context_k.shape[2]
+        on_context = q @ context_k[:, :, None].transpose(-1, -2)  # [B, kvh, g, n, T]
+        if sees_context is not None:
+            hidden = ~sees_context.repeat_interleave(S, dim=1)[:, None, None]  # [B, 1, 1, n, T]
+            on_context = on_context.masked_fill(hidden, float("-inf"))
+        on_block = q.view(B, kvh, g, N, S, hd) @ k.view(B, kvh, 1, N, S, hd).transpose(-1, -2)  # [B, kvh, g, N, S, S]
+        weights = torch.cat([on_context, on_block.reshape(B, kvh, g, n, S)], dim=-1).softmax(-1, dtype=torch.float32)
+        to_context, to_block = weights.to(v.dtype).split([T, S], dim=-1)  # [B, kvh, g, n, T], [B, kvh, g, n, S]
+        out = to_context @ context_v[:, :, None]  # [B, kvh, g, n, hd]
+        out = out + (to_block.reshape(B, kvh, g, N, S, S) @ v.view(B, kvh, 1, N, S, hd)).reshape(B, kvh, g, n, hd)
+        return self.o_proj(out.reshape(B, h, n, hd).transpose(1, 2).reshape(B, n, -1))  # [B, n, d]
 
 
 class BlockDecoderLayer(nn.Module):
@@ -204,8 +218,9 @@ class BlockDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, h: torch.Tensor, rope: KV, context: KV, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, context, mask)  # [B, n, d]
+    def forward(self, h: torch.Tensor, rope: KV, context: KV, block_size: int,
+                sees_context: Optional[torch.Tensor]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, context, block_size, sees_context)  # [B, n, d]
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -250,18 +265,11 @@ class ContextCache:
         return self.keys[layer], self.values[layer]
 
 
-def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """bool [B, 1, N·S, T + N·S], True = may attend, for N blocks per sequence at `anchors` [B, N] over a context of
-    T positions. The context is masked by position: block b sees positions < anchors[b]. Its own slots are found by
-    block index, not position — overlapping blocks share positions, and a positional rule would let one block see
-    another's slots."""
-    B, N = anchors.shape
-    S, device = block_size, anchors.device
-    sees_context = torch.arange(context_len, device=device) < anchors[..., None]  # [B, N, T]
-    sees_context = sees_context[:, :, None].expand(B, N, S, context_len).reshape(B, N * S, context_len)
-    block_of = torch.arange(N, device=device).repeat_interleave(S)  # [N·S] the block of each slot
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(B, N * S, N * S)  # [B, N·S, N·S]
-    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+def context_mask(anchors: torch.Tensor, context_len: int) -> torch.Tensor:
+    """bool [B, N, T], True = may attend: block n of sequence b sees the context positions before its anchor,
+    anchors [B, N]. The context is masked by position; a block's own slots are told apart by block, not by position
+    (BlockAttention): overlapping blocks share positions, and a positional rule would let one see another's slots."""
+    return torch.arange(context_len, device=anchors.device) < anchors[..., None]
 
 
 def token_windows(tokens: torch.Tensor, anchors: torch.Tensor, offset: int, width: int, fill: int) -> torch.Tensor:
@@ -338,10 +346,10 @@ class BlockDrafter(nn.Module):
 
     # ------------------------------------------------------------------------------------------ the passes
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, contexts: Sequence[KV],
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
+                sees_context: Optional[torch.Tensor]) -> torch.Tensor:
         rope = self.rotary_emb(x, positions)
         for layer, context in zip(self.layers, contexts):
-            x = layer(x, rope, context, mask)
+            x = layer(x, rope, context, self.config.block_size, sees_context)
         return self.norm(x)  # [B, n, d]
 
     def _context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> List[KV]:
@@ -372,7 +380,7 @@ class BlockDrafter(nn.Module):
         contexts = self._context_kv(H, torch.arange(T, device=H.device).expand(B, T))
         positions = (anchors[..., None] + torch.arange(S, device=anchors.device)).reshape(B, N * S)  # [B, N·S]
         x = self._embed(block_ids.reshape(B, N * S), target)  # [B, N·S, d]
-        hidden = self._layers(x, positions, contexts, block_attention_mask(anchors, T, S))  # [B, N·S, d]
+        hidden = self._layers(x, positions, contexts, context_mask(anchors, T))  # [B, N·S, d]
         return self._drafts(hidden.view(B, N, S, -1), target)
 
     def heads(self, logits: torch.Tensor, hidden: torch.Tensor,

@@ -13,8 +13,9 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.models.block import (
     BlockDrafter,
-    block_attention_mask,
+    _rotate,
     block_config,
+    context_mask,
     copy_target_layers,
     default_target_layer_ids,
     load_block_drafter,
@@ -117,12 +118,35 @@ def test_all_blocks_in_one_pass_equal_each_block_alone(target, batch, kind):
                 torch.testing.assert_close(together.confidence[b, n], alone.confidence[0, 0], atol=1e-5, rtol=0)
 
 
-def test_the_mask_sees_the_context_before_the_anchor_and_the_own_block_only():
-    mask = block_attention_mask(torch.tensor([[3, 4]]), 6, 3)[0, 0]  # [6 slots, 6 context + 6 slots]
-    assert mask[:3, :6].tolist() == [[True] * 3 + [False] * 3] * 3
-    assert mask[3:, :6].tolist() == [[True] * 4 + [False] * 2] * 3
-    # positions 4..5 are in both blocks: still each block sees only its own slots
-    assert mask[:3, 6:].tolist() == [[True] * 3 + [False] * 3] * 3 and mask[3:, 6:].tolist() == [[False] * 3 + [True] * 3] * 3
+def test_the_mask_sees_the_context_before_the_anchor_only():
+    assert context_mask(torch.tensor([[3, 4]]), 6).tolist() == [[[True] * 3 + [False] * 3, [True] * 4 + [False] * 2]]
+
+
+def test_block_attention_equals_dense_attention_under_the_full_mask(target):
+    """BlockAttention scores each slot over [context, own block] only; the same layer through torch's SDPA with the
+    dense [N·S, T + N·S] mask (context by position, slots by block) and grouped-query heads gives the same output."""
+    drafter = make_drafter(target, "dspark", block_size=3)
+    attention = drafter.layers[0].self_attn
+    torch.manual_seed(3)
+    B, T, S, d = 2, 7, 3, drafter.config.hidden_size
+    anchors = torch.tensor([[0, 3, 4], [2, 2, 6]])  # overlapping blocks, one with no context, two at one anchor
+    N = anchors.shape[1]
+    x, context = torch.randn(B, N * S, d), torch.randn(B, T, d)
+    positions = (anchors[..., None] + torch.arange(S)).reshape(B, N * S)
+    rope = drafter.rotary_emb(x, positions)
+    ctx = attention.keys_values(context, drafter.rotary_emb(context, torch.arange(T).expand(B, T)))
+    with torch.no_grad():
+        ours = attention(x, rope, ctx, S, context_mask(anchors, T))  # [B, N·S, d]
+        block = torch.arange(N).repeat_interleave(S)
+        dense = torch.cat([context_mask(anchors, T).repeat_interleave(S, 1),
+                           (block[:, None] == block[None]).expand(B, -1, -1)], -1)[:, None]  # [B, 1, N·S, T + N·S]
+        q = attention.q_norm(attention.q_proj(x).view(B, N * S, -1, attention.head_dim)).transpose(1, 2)
+        k, v = attention.keys_values(x, rope)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            _rotate(q, *rope), torch.cat([ctx[0], k], 2), torch.cat([ctx[1], v], 2), attn_mask=dense, enable_gqa=True)
+        reference = attention.o_proj(out.transpose(1, 2).reshape(B, N * S, -1))
+    assert attention.num_kv_heads < attention.num_heads  # the grouped-query head mapping is exercised
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_block_inputs_labels_and_teacher_prev(target):

@@ -2,7 +2,7 @@
 
 Each sequence of a batch gets up to `drafter.block.anchors` blocks, at anchor positions a sampled uniformly among
 those whose next token is target-generated too (loss_mask[a] and loss_mask[a + 1]). All blocks of the batch go
-through the drafter in one pass (models/block.py:block_attention_mask: block b sees the context before its anchor
+through the drafter in one pass (models/block.py:BlockAttention: block b sees the context before its anchor
 and its own slots). Draft j of a block predicts x_{a+1+j}, so it is compared with the target's row a + j — the same
 Prediction every other kind makes (train/drafters.py), one per draft position ("draft1", "draft2", ...), weighted
 exp(−j / loss_decay). A draft is counted only while the tokens x_{a+1..a+1+j} are all target-generated (a
