@@ -316,7 +316,7 @@ def block(act: Activations, m: MemoryInputs, drafts: int) -> None:
     d, attn, kv = T.hidden, T.heads * T.head_dim, T.kv_heads * T.head_dim
     per_slot = (24 if a == 4 else 16) * d + 3 * a * attn + 4 * a * kv + 4 * a * T.intermediate
     context = m.N * 2 * kv * a  # every layer's context keys and values
-    scores = m.B * T.heads * (Q // m.B) * (m.L + Q // m.B) * (a + 1)  # attention weights and the mask, per layer
+    scores = m.B * T.heads * Q // m.B * (m.L + b.block_size) * (a + 1)  # each slot over [context, own block], per layer
     act.saved += b.num_layers * (Q * per_slot + context + scores) + m.N * d * (a + 4)  # + fc's input and output
     act.forward_peak = max(act.forward_peak, scores)
     (saved, peak), rows = m.objective, blocks
