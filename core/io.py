@@ -74,7 +74,7 @@ def remove_stale_temps(folder: Path, name: str = "") -> None:
     only those of that file or folder (another process may be writing the others)."""
     if not folder.is_dir():
         return
-    for p in folder.glob(f".{name}.*.tmp" if name else ".*.tmp"):
+    for p in folder.glob(f".{name}*.tmp" if name else ".*.tmp"):
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 

@@ -542,8 +542,9 @@ def generate_dataset(cfg: DictConfig) -> dict:
     others = [i for i in todo if i % d.workers != d.worker]
     todo = [i for i in todo if i % d.workers == d.worker]
     if d.workers > 1:
-        for i in todo:
+        for i in range(d.worker, len(shards), d.workers):
             remove_stale_temps(out / "shards", shard_name(i))
+            remove_stale_temps(out / "hidden", f"{shard_name(i)}.safetensors")
         log.info(f"worker {d.worker} of {d.workers}: {len(todo)} shards here, {len(others)} for the other workers")
 
     progress = tqdm(total=sum(len(shards[i]) for i in todo) * d.max_turns, unit="turn", desc="generating",
@@ -574,24 +575,38 @@ def generate_dataset(cfg: DictConfig) -> dict:
         write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
     progress.close()
     gen_seconds = time.perf_counter() - start
-    waiting = [i for i in others if shard_problem(out / "shards" / shard_name(i), [p["id"] for p in shards[i]],
-                                                  settings) is not None]
-    if waiting:  # the other workers' shards: whoever finishes last assembles the dataset
-        log.info(f"worker {d.worker} of {d.workers} done ({len(todo)} shards); {len(waiting)} shards are still the other "
-                 f"workers' ({', '.join(shard_name(i) for i in waiting[:4])}{', …' if len(waiting) > 4 else ''}): "
-                 "the last worker to finish writes stats.json")
-        return {"shards": len(shards), "waiting": len(waiting), "this_run": {"generated_tokens": gen_tokens,
-                                                                              "seconds": round(gen_seconds, 2)}}
+
+    def cache_hidden(i: int) -> None:  # the target's hidden states of shard i, unless an intact file has them
+        shard = datasets.load_from_disk(str(out / "shards" / shard_name(i)))
+        path = out / "hidden" / f"{shard_name(i)}.safetensors"
+        if not hidden_file_ok(path, layer_ids, sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"])):
+            log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
+            write_hidden(target_hidden_states(model, shard["input_ids"], layer_ids, d.hidden_states.batch_size,
+                                              hidden_dtype), path, layer_ids)
+
+    def hidden_missing(i: int) -> bool:
+        shard = datasets.load_from_disk(str(out / "shards" / shard_name(i)))
+        return not hidden_file_ok(out / "hidden" / f"{shard_name(i)}.safetensors", layer_ids,
+                                  sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"]))
+
+    if d.workers > 1:  # this worker's shards first (hidden states too); whoever finds all in place assembles the rest
+        if layer_ids:
+            for i in range(d.worker, len(shards), d.workers):
+                cache_hidden(i)
+        waiting = [i for i in range(len(shards)) if i % d.workers != d.worker and (
+            shard_problem(out / "shards" / shard_name(i), [p["id"] for p in shards[i]], settings) is not None
+            or (layer_ids and hidden_missing(i)))]
+        if waiting:
+            log.info(f"worker {d.worker} of {d.workers} done ({len(todo)} shards generated); {len(waiting)} shards are "
+                     f"still the other workers' ({', '.join(shard_name(i) for i in waiting[:4])}"
+                     f"{', …' if len(waiting) > 4 else ''}): the last worker to finish writes stats.json")
+            return {"shards": len(shards), "waiting": len(waiting),
+                    "this_run": {"generated_tokens": gen_tokens, "seconds": round(gen_seconds, 2)}}
 
     dataset = load_generated(out, num_shards=len(shards))
     if layer_ids:
         for i in range(len(shards)):
-            shard = datasets.load_from_disk(str(out / "shards" / shard_name(i)))
-            path = out / "hidden" / f"{shard_name(i)}.safetensors"
-            if not hidden_file_ok(path, layer_ids, sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"])):
-                log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
-                write_hidden(target_hidden_states(model, shard["input_ids"], layer_ids, d.hidden_states.batch_size,
-                                                  hidden_dtype), path, layer_ids)
+            cache_hidden(i)
 
     sources = dataset["source"]
     by_source = {src: {"conversations": sum(x == src for x in sources),

@@ -108,6 +108,18 @@ def test_parallel_workers_split_the_shards_and_make_the_same_dataset(tmp_path, t
                                    "data.worker=1"))
     assert last["conversations"] == 9 and (split / "stats.json").is_file() and stale.exists()
     assert shard_rows(split) == shard_rows(one)  # per-shard seeds: who made a shard does not change it
+    # the hidden-state cache splits the same way: worker 1 caches shard 1, worker 0 shards 0 and 2 and assembles
+    cache = ["data.hidden_states.layer_ids=[1,2]", "data.hidden_states.dtype=float32"]
+    waiting = generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2",
+                                      "data.worker=1", *cache))
+    assert waiting["waiting"] == 2 and [p.name for p in (split / "hidden").glob("*")] == ["shard-00001.safetensors"]
+    generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2", *cache))
+    generate_dataset(recipe(one, tiny_target, prompt_file, "data.num_conversations=9", *cache))
+    for i in range(3):
+        name = f"shard-{i:05d}.safetensors"
+        split_file, one_file = load_file(str(split / "hidden" / name)), load_file(str(one / "hidden" / name))
+        assert split_file.keys() == one_file.keys() and all(torch.equal(split_file[k], one_file[k]) for k in one_file)
+    assert json.loads((split / "stats.json").read_text())["hidden_state_layers"] == [1, 2]
     with pytest.raises(SpecdrafterError, match="data.worker' \\(2\\) must be below data.workers \\(2\\)"):
         generate_dataset(recipe(split, tiny_target, prompt_file, "data.workers=2", "data.worker=2"))
 
