@@ -238,6 +238,9 @@ class BlockConfig:
     # Draft j's loss weight is exp(−j / loss_decay) (j = 0 first); 0 = all alike
     loss_decay: float = checked(4.0, NON_NEGATIVE)
     markov_rank: int = checked(256, NON_NEGATIVE)  # DSpark's Markov head rank (0: none)
+    # the Markov head's learning rate ÷ train.lr: its previous-token embedding is sparse (a row moves only when its
+    # token occurs), and at 1 it barely moves in a CPU-sized run (docs/block-drafters.md#the-markov-heads-learning-rate)
+    markov_lr_scale: float = checked(10.0, POSITIVE)
     confidence_weight: float = checked(1.0, NON_NEGATIVE)  # DSpark: BCE(confidence, 1 − TV) beside the objective
     draft_vocab_size: int = checked(0, NON_NEGATIVE)  # most frequent target tokens of the data; 0 = full vocabulary
     init_from_target: bool = True  # start layer i from the target's layer L − n + i (where the tensors fit)

@@ -15,6 +15,7 @@ from specdrafter.core.recipe import DrafterKind, Recipe
 from specdrafter.train.batches import Batch
 from specdrafter.train.block import BlockTrainingDrafter, sample_anchors
 from specdrafter.train.drafters import TargetOutput, counted_rows
+from specdrafter.train.loop import param_groups
 from specdrafter.train.objectives import Objective
 
 V = 64
@@ -117,6 +118,19 @@ def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target
     assert all(p.feature_loss is not None and p.feature_loss > 0 for p in predictions)
     plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, "dspark")
     assert all(p.feature_loss is None for p in plain.predictions(plain.module, batch, teacher))
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+def test_the_markov_head_learns_at_its_own_rate(target, variant):
+    """DSpark's Markov head (a sparse previous-token embedding and its output) gets markov_lr_scale × train.lr in the
+    optimizer; everything else, and all of DFlash, the recipe's lr."""
+    drafter = BlockTrainingDrafter(recipe(variant, markov_lr_scale=7.0), target, variant)
+    groups = param_groups(drafter, 1e-3)
+    lr_of = {name: g["lr"] for g in groups for name, p in drafter.module.named_parameters()
+             if any(p is q for q in g["params"])}
+    assert lr_of == {name: 7e-3 if name.startswith("markov_head.") else 1e-3
+                     for name, p in drafter.module.named_parameters()}
+    assert any(lr == 7e-3 for lr in lr_of.values()) == (variant == "dspark")
 
 
 def test_a_mask_token_the_training_data_uses_is_refused(target):

@@ -1,0 +1,123 @@
+"""Learning-curve probe: how fast a drafter recipe learns, in drafter-only steps on cached target rows.
+
+    python -m specdrafter.eval.bench_learning RECIPE.yaml [key=value ...] [--batches 48] [--steps 150] [--every 50]
+        [--out DIR]
+
+The target runs once over the first `--batches` micro-batches of the recipe's training data and its held-out
+conversations (features and teacher rows, cached in --out, so the next probe on the same data and layers starts at
+once); then the recipe's drafter trains on those batches in turn with AdamW (its lr, warm-up and per-parameter lr
+scales; no decay), and every `--every` steps prints held-out α̂ and top-1 per draft position at T = 1 and τ from
+them (1 + Σ_k Π_{j≤k} α̂_j). A probe, not training: one thread, no DeepSpeed, no checkpoints — for comparing
+settings (learning rates, initialisations, objectives) on the same rows in minutes. Writes learning.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from specdrafter.core.io import atomic_write_json
+from specdrafter.core.recipe import load_recipe
+from specdrafter.data.assets import load_target
+from specdrafter.kinds import build_drafter, feature_layers
+from specdrafter.train.batches import TrainingData
+from specdrafter.train.drafters import run_target
+from specdrafter.train.loop import acceptance_sums, lr_factor, param_groups
+from specdrafter.train.objectives import Objective
+
+
+def cached_rows(cfg, target, data, drafter, batches: int, folder: Path) -> dict:
+    """{"train": [(Batch, TargetOutput)], "held": [...]}: the target's rows for the probe, computed once per data
+    folder, layer set, batch count and teacher vocabulary."""
+    tc, layers = cfg.train, feature_layers(cfg, target.config)
+    ids = drafter.teacher_ids.tolist() if drafter.teacher_ids is not None else None
+    key = hashlib.sha256(json.dumps([str(Path(tc.data_dir).resolve()), cfg.target.model, layers, batches,
+                                     tc.micro_batch_size, tc.max_length, tc.heldout, tc.seed, ids]).encode()).hexdigest()
+    path = folder / f"rows-{key[:16]}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)  # our own file, written below
+    mb = tc.micro_batch_size
+
+    def rows(indices):
+        batch = data.batch(indices)
+        with torch.no_grad():
+            return batch, run_target(target, batch, layers, drafter.teacher_ids, tc.temperature, torch.float32)
+
+    started = time.perf_counter()
+    store = {"train": [rows(data.train[i * mb:(i + 1) * mb]) for i in range(min(batches, len(data.train) // mb))],
+             "held": [rows(data.heldout[i:i + mb]) for i in range(0, len(data.heldout), mb)]}
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(store, tmp)
+    tmp.replace(path)
+    print(f"target rows cached in {time.perf_counter() - started:.0f} s → {path}", flush=True)
+    return store
+
+
+def held_out(drafter, store: dict) -> tuple:
+    """Per prediction: (α̂, top-1) over the held-out rows at T = 1, with fixed anchors."""
+    drafter.module.eval()
+    state = torch.get_rng_state()
+    torch.manual_seed(1234)
+    total = None
+    with torch.no_grad():
+        for batch, rows in store["held"]:
+            sums = torch.stack([acceptance_sums(p, 1.0) for p in drafter.predictions(drafter.module, batch, rows)])
+            total = sums if total is None else total + sums
+    torch.set_rng_state(state)
+    drafter.module.train()
+    return (total[:, 0] / total[:, 2]).tolist(), (total[:, 1] / total[:, 2]).tolist()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--batches", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--out", default="runs/bench_learning")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    tc, out = cfg.train, Path(args.out)
+    target, tokenizer = load_target(cfg.target.model, "float32")
+    target.requires_grad_(False)
+    data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed)
+    torch.manual_seed(tc.seed)
+    drafter = build_drafter(cfg, target, data, tokenizer)
+    store = cached_rows(cfg, target, data, drafter, args.batches, out)
+    tokens = sum(int(b.loss_mask.sum()) for b, _ in store["train"])
+    print(f"{len(store['train'])} training batches ({tokens:,} target tokens), {len(store['held'])} held out", flush=True)
+
+    optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0))
+    objective, curve, started = Objective.of(tc), [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        batch, rows = store["train"][(step - 1) % len(store["train"])]
+        loss = sum(p.loss(objective)[0] for p in drafter.predictions(drafter.module, batch, rows))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.module.parameters(), tc.grad_clip)
+        optimizer.step()
+        schedule.step()
+        if step % args.every == 0 or step == args.steps:
+            alpha, top1 = held_out(drafter, store)
+            tau = 1 + sum(math.prod(alpha[:k + 1]) for k in range(len(alpha)))
+            curve.append({"step": step, "loss": loss.item(), "alpha": alpha, "top1": top1, "tau": tau})
+            print(f"step {step}: loss {loss.item():.3f}  α̂ {' '.join(f'{a:.3f}' for a in alpha)}  top-1 "
+                  f"{' '.join(f'{t:.2f}' for t in top1)}  τ {tau:.2f}  ({time.perf_counter() - started:.0f} s)", flush=True)
+    atomic_write_json(out / "learning.json", {"recipe": args.recipe, "overrides": args.overrides,
+                                              "train_tokens": tokens, "curve": curve})
+
+
+if __name__ == "__main__":
+    main()
