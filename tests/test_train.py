@@ -928,3 +928,20 @@ def test_two_ranks_record_every_ranks_files_and_resume_past_a_damaged_shard(tmp_
     assert "resuming from step-000004" in log_text
     assert (run / "checkpoints" / "step-000008.damaged").is_dir()
     assert checkpoint_problem(run / "checkpoints" / "step-000008") is None  # written again, intact
+
+
+def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, peaky_target, data_dir, capsys):
+    """eval/bench_learning.py: held-out α̂ per draft position every --every steps; a second probe reads the cached
+    rows (the target does not run again) and, seeded alike, draws the same curve."""
+    from specdrafter.eval.bench_learning import main as probe
+    args = [str(REPO / "recipes" / "smollm2-135m-dspark.yaml"), f"output_dir={tmp_path}", f"target.model={peaky_target}",
+            f"train.data_dir={data_dir}", *TINY, *BLOCK_TINY, "--batches", "2", "--steps", "4", "--every", "2",
+            "--out", str(tmp_path / "probe")]
+    probe(args)
+    first = json.loads((tmp_path / "probe" / "learning.json").read_text())
+    assert "target rows cached" in capsys.readouterr().out
+    assert [c["step"] for c in first["curve"]] == [2, 4] and first["train_tokens"] > 0
+    assert all(len(c["alpha"]) == 4 and all(0 <= a <= 1 for a in c["alpha"]) for c in first["curve"])
+    probe(args)
+    assert "target rows cached" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "probe" / "learning.json").read_text()) == first
