@@ -194,18 +194,18 @@ class BlockAttention(nn.Module):
         S, h, kvh, hd = block_size, self.num_heads, self.num_kv_heads, self.head_dim
         N, g = n // S, h // kvh  # query head i reads kv head i // g (grouped-query attention)
         q = self.q_norm(self.q_proj(x).view(B, n, h, hd)).transpose(1, 2)  # [B, h, n, hd]
-        q = _rotate(q, *rope).reshape(B, kvh, g, n, hd) * hd ** -0.5
+        q = _rotate(q, *rope).reshape(B, kvh, g * n, hd) * hd ** -0.5  # a kv head's g query heads side by side
         k, v = self.keys_values(x, rope)  # [B, kvh, n, hd] the blocks' own
         context_k, context_v = context  # [B, kvh, T, hd]
         T = context_k.shape[2]
-        on_context = q @ context_k[:, :, None].transpose(-1, -2)  # [B, kvh, g, n, T]
+        on_context = (q @ context_k.transpose(-1, -2)).view(B, kvh, g, n, T)
         if sees_context is not None:
             hidden = ~sees_context.repeat_interleave(S, dim=1)[:, None, None]  # [B, 1, 1, n, T]
             on_context = on_context.masked_fill(hidden, float("-inf"))
         on_block = q.view(B, kvh, g, N, S, hd) @ k.view(B, kvh, 1, N, S, hd).transpose(-1, -2)  # [B, kvh, g, N, S, S]
         weights = torch.cat([on_context, on_block.reshape(B, kvh, g, n, S)], dim=-1).softmax(-1, dtype=torch.float32)
         to_context, to_block = weights.to(v.dtype).split([T, S], dim=-1)  # [B, kvh, g, n, T], [B, kvh, g, n, S]
-        out = to_context @ context_v[:, :, None]  # [B, kvh, g, n, hd]
+        out = (to_context.reshape(B, kvh, g * n, T) @ context_v).view(B, kvh, g, n, hd)
         out = out + (to_block.reshape(B, kvh, g, N, S, S) @ v.view(B, kvh, 1, N, S, hd)).reshape(B, kvh, g, n, hd)
         return self.o_proj(out.reshape(B, h, n, hd).transpose(1, 2).reshape(B, n, -1))  # [B, n, d]
 

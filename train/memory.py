@@ -300,10 +300,13 @@ def draft_model(act: Activations, m: MemoryInputs) -> None:
     prediction(act, m, m.T.vocab)
 
 
-def block(act: Activations, m: MemoryInputs, drafts: int) -> None:
+def block(act: Activations, m: MemoryInputs, drafts: int, heads: bool) -> None:
     """A block drafter (train/block.py): B · anchors blocks of block_size slots through its layers in one pass, each
-    attending over the whole context, and `drafts` predictions of B · anchors rows each. Estimated from the shapes,
-    not yet pinned against a measured run (tests/test_memory.py pins the other kinds)."""
+    slot attending over [the context, its own block], and `drafts` predictions of B · anchors rows each (`heads`:
+    DSpark's Markov and confidence heads). What autograd saves, term by term as models/block.py computes it;
+    tests/test_memory.py pins it: exact in fp32, within 8 % with bf16 weights, where the float32 internals of the
+    RMS norms add d bytes × (12 per slot and layer + 3 per slot + 3 per context position and layer + 11 per
+    context position), a fit to the measured bytes rather than a derivation."""
     b, T, a = m.cfg.drafter.block, m.T, m.a
     Vd = b.draft_vocab_size or T.vocab
     if Vd < T.vocab:
@@ -312,13 +315,19 @@ def block(act: Activations, m: MemoryInputs, drafts: int) -> None:
     else:
         full_vocab_teacher(act, m)
     blocks = m.B * min(b.anchors, m.L - 1)
-    Q = blocks * b.block_size  # block slots in the pass
-    d, attn, kv = T.hidden, T.heads * T.head_dim, T.kv_heads * T.head_dim
-    per_slot = (24 if a == 4 else 16) * d + 3 * a * attn + 4 * a * kv + 4 * a * T.intermediate
-    context = m.N * 2 * kv * a  # every layer's context keys and values
-    scores = m.B * T.heads * Q // m.B * (m.L + b.block_size) * (a + 1)  # each slot over [context, own block], per layer
-    act.saved += b.num_layers * (Q * per_slot + context + scores) + m.N * d * (a + 4)  # + fc's input and output
-    act.forward_peak = max(act.forward_peak, scores)
+    Q, R, C = blocks * b.block_size, blocks * drafts, m.N  # slots, draft rows, context positions
+    d, A, K, hd = T.hidden, T.heads * T.head_dim, T.kv_heads * T.head_dim, T.head_dim
+    features = len(b.target_layer_ids) or b.num_features
+    softmax = 4 * T.heads * (m.L + b.block_size)  # a slot's attention weights over [context, own block], float32
+    # per slot and layer: the residual and norm states (7d), q/k/v and the attention's inputs (5A + 2K), the MLP
+    # (4I), the norms' rsqrt, the softmax and the context mask's bytes
+    per_slot = a * (7 * d + 5 * A + 2 * K + 4 * T.intermediate + T.heads + T.kv_heads + 3) + softmax + m.L
+    per_context = a * (4 * K + T.kv_heads)  # each layer's context keys (projected, normed, rotated) and values
+    once = a * (Q * (d + 2 * hd) + C * (features * d + 3 * d + 2 * hd + 1)  # embeddings, final norm, RoPE; fc in/out
+                + (R * (d + b.markov_rank) if heads else 0)) + (a * Vd * d if Vd < T.vocab else 0)  # heads; lm_head rows
+    norms32 = d * (12 * Q * b.num_layers + 3 * Q + 3 * C * b.num_layers + 11 * C) if a == 2 else 0
+    act.saved += b.num_layers * (Q * per_slot + C * per_context) + once + norms32
+    act.forward_peak = max(act.forward_peak, Q * softmax)
     (saved, peak), rows = m.objective, blocks
     for _ in range(drafts):
         act.kept += rows * Vd * (a + 4)
