@@ -576,18 +576,19 @@ def generate_dataset(cfg: DictConfig) -> dict:
     progress.close()
     gen_seconds = time.perf_counter() - start
 
-    def cache_hidden(i: int) -> None:  # the target's hidden states of shard i, unless an intact file has them
-        shard = datasets.load_from_disk(str(out / "shards" / shard_name(i)))
-        path = out / "hidden" / f"{shard_name(i)}.safetensors"
-        if not hidden_file_ok(path, layer_ids, sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"])):
-            log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
-            write_hidden(target_hidden_states(model, shard["input_ids"], layer_ids, d.hidden_states.batch_size,
-                                              hidden_dtype), path, layer_ids)
+    def shard_of(i: int) -> datasets.Dataset:
+        return datasets.load_from_disk(str(out / "shards" / shard_name(i)))
 
-    def hidden_missing(i: int) -> bool:
-        shard = datasets.load_from_disk(str(out / "shards" / shard_name(i)))
-        return not hidden_file_ok(out / "hidden" / f"{shard_name(i)}.safetensors", layer_ids,
-                                  sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"]))
+    def has_hidden(i: int) -> bool:  # an intact cache file for shard i
+        shard = shard_of(i)
+        return hidden_file_ok(out / "hidden" / f"{shard_name(i)}.safetensors", layer_ids,
+                              sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"]))
+
+    def cache_hidden(i: int) -> None:  # the target's hidden states of shard i, unless an intact file has them
+        if not has_hidden(i):
+            log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
+            write_hidden(target_hidden_states(model, shard_of(i)["input_ids"], layer_ids, d.hidden_states.batch_size,
+                                              hidden_dtype), out / "hidden" / f"{shard_name(i)}.safetensors", layer_ids)
 
     if d.workers > 1:  # this worker's shards first (hidden states too); whoever finds all in place assembles the rest
         if layer_ids:
@@ -595,7 +596,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
                 cache_hidden(i)
         waiting = [i for i in range(len(shards)) if i % d.workers != d.worker and (
             shard_problem(out / "shards" / shard_name(i), [p["id"] for p in shards[i]], settings) is not None
-            or (layer_ids and hidden_missing(i)))]
+            or (layer_ids and not has_hidden(i)))]
         if waiting:
             log.info(f"worker {d.worker} of {d.workers} done ({len(todo)} shards generated); {len(waiting)} shards are "
                      f"still the other workers' ({', '.join(shard_name(i) for i in waiting[:4])}"
