@@ -17,13 +17,14 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from specdrafter.core.io import atomic_write_json
+from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_target
 from specdrafter.kinds import build_drafter, feature_layers
@@ -42,7 +43,10 @@ def cached_rows(cfg, target, data, drafter, batches: int, folder: Path) -> dict:
                                      tc.micro_batch_size, tc.max_length, tc.heldout, tc.seed, ids]).encode()).hexdigest()
     path = folder / f"rows-{key[:16]}.pt"
     if path.is_file():
-        return torch.load(path, weights_only=False)  # our own file, written below
+        try:
+            return torch.load(path, weights_only=False)  # our own file, written below
+        except Exception as e:  # unreadable: computed again and replaced
+            print(f"{path} is unreadable ({type(e).__name__}); computing the target rows again", flush=True)
     mb = tc.micro_batch_size
 
     def rows(indices):
@@ -76,25 +80,43 @@ def held_out(drafter, store: dict) -> tuple:
     return (total[:, 0] / total[:, 2]).tolist(), (total[:, 1] / total[:, 2]).tolist()
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
+    return int(text)
+
+
+def setup(args):
+    """The recipe, its drafter and the cached target rows, or a SpecdrafterError naming what is wrong."""
+    cfg = load_recipe(args.recipe, args.overrides)
+    tc = cfg.train
+    target, tokenizer = load_target(cfg.target.model, "float32")
+    target.requires_grad_(False)
+    data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed)
+    if len(data.train) < tc.micro_batch_size:
+        raise SpecdrafterError(f"the probe needs at least one micro-batch of {tc.micro_batch_size} training "
+                               f"conversations ({len(data.train)} in {tc.data_dir})")
+    torch.manual_seed(tc.seed)
+    drafter = build_drafter(cfg, target, data, tokenizer)
+    return cfg, drafter, cached_rows(cfg, target, data, drafter, args.batches, Path(args.out))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--batches", type=int, default=48)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--batches", type=positive, default=48)
+    parser.add_argument("--steps", type=positive, default=150)
+    parser.add_argument("--every", type=positive, default=50)
     parser.add_argument("--out", default="runs/bench_learning")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    cfg = load_recipe(args.recipe, args.overrides)
+    try:
+        cfg, drafter, store = setup(args)
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
     tc, out = cfg.train, Path(args.out)
-    target, tokenizer = load_target(cfg.target.model, "float32")
-    target.requires_grad_(False)
-    data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed)
-    torch.manual_seed(tc.seed)
-    drafter = build_drafter(cfg, target, data, tokenizer)
-    store = cached_rows(cfg, target, data, drafter, args.batches, out)
     tokens = sum(int(b.loss_mask.sum()) for b, _ in store["train"])
     print(f"{len(store['train'])} training batches ({tokens:,} target tokens), {len(store['held'])} held out", flush=True)
 
