@@ -398,6 +398,11 @@ def shard_name(i: int) -> str:
     return f"shard-{i:05d}"
 
 
+def hidden_path(out: Path, i: int) -> Path:
+    """Shard i's hidden-state cache file."""
+    return out / "hidden" / f"{shard_name(i)}.safetensors"
+
+
 def shard_problem(folder: Path, expected_ids: List[str], settings: dict) -> Optional[str]:
     """Why an existing shard cannot be reused as is (None if it is complete and intact).
     Raises if the shard is intact but was made with different settings: that is the user's call, not ours."""
@@ -544,7 +549,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
     if d.workers > 1:
         for i in range(d.worker, len(shards), d.workers):
             remove_stale_temps(out / "shards", shard_name(i))
-            remove_stale_temps(out / "hidden", f"{shard_name(i)}.safetensors")
+            remove_stale_temps(out / "hidden", hidden_path(out, i).name)
         log.info(f"worker {d.worker} of {d.workers}: {len(todo)} shards here, {len(others)} for the other workers")
 
     progress = tqdm(total=sum(len(shards[i]) for i in todo) * d.max_turns, unit="turn", desc="generating",
@@ -581,14 +586,14 @@ def generate_dataset(cfg: DictConfig) -> dict:
 
     def has_hidden(i: int) -> bool:  # an intact cache file for shard i
         shard = shard_of(i)
-        return hidden_file_ok(out / "hidden" / f"{shard_name(i)}.safetensors", layer_ids,
+        return hidden_file_ok(hidden_path(out, i), layer_ids,
                               sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"]))
 
     def cache_hidden(i: int) -> None:  # the target's hidden states of shard i, unless an intact file has them
         if not has_hidden(i):
             log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
             write_hidden(target_hidden_states(model, shard_of(i)["input_ids"], layer_ids, d.hidden_states.batch_size,
-                                              hidden_dtype), out / "hidden" / f"{shard_name(i)}.safetensors", layer_ids)
+                                              hidden_dtype), hidden_path(out, i), layer_ids)
 
     if d.workers > 1:  # this worker's shards first (hidden states too); whoever finds all in place assembles the rest
         if layer_ids:

@@ -111,7 +111,7 @@ class BlockKind(Kind):
         return BlockDrafter(drafter_config(cfg, target.config, self.name)), None
 
     def planner_activations(self, act, m) -> None:
-        memory.block(act, m, self.drafts(m.cfg), VARIANTS[self.name].heads)
+        memory.block(act, m, self.drafts(m.cfg), self.variant.heads)
 
     def planner_checks(self, cfg, T, config_of):
         b = cfg.drafter.block
