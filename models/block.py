@@ -186,9 +186,10 @@ class BlockAttention(nn.Module):
         return _rotate(k, *rope), v
 
     def forward(self, x: torch.Tensor, rope: KV, context: KV, block_size: int,
-                sees_context: Optional[torch.Tensor]) -> torch.Tensor:
+                unseen: Optional[torch.Tensor]) -> torch.Tensor:
         """x [B, N·S, d]: N blocks of S = block_size slots. Every slot attends over the context keys its block may see
-        (sees_context [B, N, T] bool; None: all of them) and over its own block's S slots, never another block's:
+        (unseen [B, 1, 1, N·S, T] bool, True = hidden: `slot_mask`; None: all of them) and over its own block's S slots,
+        never another block's:
         scores [.., N·S, T + S], not [.., N·S, T + N·S] — what lets training put hundreds of blocks in one pass."""
         B, n, _ = x.shape
         S, h, kvh, hd = block_size, self.num_heads, self.num_kv_heads, self.head_dim
@@ -199,9 +200,8 @@ class BlockAttention(nn.Module):
         context_k, context_v = context  # [B, kvh, T, hd]
         T = context_k.shape[2]
         on_context = (q @ context_k.transpose(-1, -2)).view(B, kvh, g, n, T)
-        if sees_context is not None:
-            hidden = ~sees_context.repeat_interleave(S, dim=1)[:, None, None]  # [B, 1, 1, n, T]
-            on_context = on_context.masked_fill(hidden, float("-inf"))
+        if unseen is not None:
+            on_context = on_context.masked_fill(unseen, float("-inf"))
         on_block = q.view(B, kvh, g, N, S, hd) @ k.view(B, kvh, 1, N, S, hd).transpose(-1, -2)  # [B, kvh, g, N, S, S]
         weights = torch.cat([on_context, on_block.reshape(B, kvh, g, n, S)], dim=-1).softmax(-1, dtype=torch.float32)
         to_context, to_block = weights.to(v.dtype).split([T, S], dim=-1)  # [B, kvh, g, n, T], [B, kvh, g, n, S]
@@ -219,8 +219,8 @@ class BlockDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
 
     def forward(self, h: torch.Tensor, rope: KV, context: KV, block_size: int,
-                sees_context: Optional[torch.Tensor]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, context, block_size, sees_context)  # [B, n, d]
+                unseen: Optional[torch.Tensor]) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, context, block_size, unseen)  # [B, n, d]
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -270,6 +270,11 @@ def context_mask(anchors: torch.Tensor, context_len: int) -> torch.Tensor:
     anchors [B, N]. The context is masked by position; a block's own slots are told apart by block, not by position
     (BlockAttention): overlapping blocks share positions, and a positional rule would let one see another's slots."""
     return torch.arange(context_len, device=anchors.device) < anchors[..., None]
+
+
+def slot_mask(sees_context: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`context_mask` [B, N, T] as BlockAttention takes it: per slot, True where the context is hidden, [B, 1, 1, N·S, T]."""
+    return ~sees_context.repeat_interleave(block_size, dim=1)[:, None, None]
 
 
 def token_windows(tokens: torch.Tensor, anchors: torch.Tensor, offset: int, width: int, fill: int) -> torch.Tensor:
@@ -346,10 +351,10 @@ class BlockDrafter(nn.Module):
 
     # ------------------------------------------------------------------------------------------ the passes
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, contexts: Sequence[KV],
-                sees_context: Optional[torch.Tensor]) -> torch.Tensor:
+                unseen: Optional[torch.Tensor]) -> torch.Tensor:
         rope = self.rotary_emb(x, positions)
         for layer, context in zip(self.layers, contexts):
-            x = layer(x, rope, context, self.config.block_size, sees_context)
+            x = layer(x, rope, context, self.config.block_size, unseen)
         return self.norm(x)  # [B, n, d]
 
     def _context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> List[KV]:
@@ -380,7 +385,7 @@ class BlockDrafter(nn.Module):
         contexts = self._context_kv(H, torch.arange(T, device=H.device).expand(B, T))
         positions = (anchors[..., None] + torch.arange(S, device=anchors.device)).reshape(B, N * S)  # [B, N·S]
         x = self._embed(block_ids.reshape(B, N * S), target)  # [B, N·S, d]
-        hidden = self._layers(x, positions, contexts, context_mask(anchors, T))  # [B, N·S, d]
+        hidden = self._layers(x, positions, contexts, slot_mask(context_mask(anchors, T), S))  # [B, N·S, d]
         return self._drafts(hidden.view(B, N, S, -1), target)
 
     def heads(self, logits: torch.Tensor, hidden: torch.Tensor,

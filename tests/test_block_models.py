@@ -20,6 +20,7 @@ from specdrafter.models.block import (
     default_target_layer_ids,
     load_block_drafter,
     save_block_drafter,
+    slot_mask,
 )
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
 from specdrafter.models.features import capture_features
@@ -136,7 +137,7 @@ def test_block_attention_equals_dense_attention_under_the_full_mask(target):
     rope = drafter.rotary_emb(x, positions)
     ctx = attention.keys_values(context, drafter.rotary_emb(context, torch.arange(T).expand(B, T)))
     with torch.no_grad():
-        ours = attention(x, rope, ctx, S, context_mask(anchors, T))  # [B, N·S, d]
+        ours = attention(x, rope, ctx, S, slot_mask(context_mask(anchors, T), S))  # [B, N·S, d]
         block = torch.arange(N).repeat_interleave(S)
         dense = torch.cat([context_mask(anchors, T).repeat_interleave(S, 1),
                            (block[:, None] == block[None]).expand(B, -1, -1)], -1)[:, None]  # [B, 1, N·S, T + N·S]

@@ -320,13 +320,13 @@ def block(act: Activations, m: MemoryInputs, drafts: int, heads: bool) -> None:
     features = len(b.target_layer_ids) or b.num_features
     softmax = 4 * T.heads * (m.L + b.block_size)  # a slot's attention weights over [context, own block], float32
     # per slot and layer: the residual and norm states (7d), q/k/v and the attention's inputs (5A + 2K), the MLP
-    # (4I), the norms' rsqrt, the softmax and the context mask's bytes
-    per_slot = a * (7 * d + 5 * A + 2 * K + 4 * T.intermediate + T.heads + T.kv_heads + 3) + softmax + m.L
+    # (4I), the norms' rsqrt and the softmax
+    per_slot = a * (7 * d + 5 * A + 2 * K + 4 * T.intermediate + T.heads + T.kv_heads + 3) + softmax
     per_context = a * (4 * K + T.kv_heads)  # each layer's context keys (projected, normed, rotated) and values
     once = a * (Q * (d + 2 * hd) + C * (features * d + 3 * d + 2 * hd + 1)  # embeddings, final norm, RoPE; fc in/out
                 + (R * (d + b.markov_rank) if heads else 0)) + (a * Vd * d if Vd < T.vocab else 0)  # heads; lm_head rows
     norms32 = d * (12 * Q * b.num_layers + 3 * Q + 3 * C * b.num_layers + 11 * C) if a == 2 else 0
-    act.saved += b.num_layers * (Q * per_slot + C * per_context) + once + norms32
+    act.saved += b.num_layers * (Q * per_slot + C * per_context) + once + norms32 + Q * m.L  # + the context mask
     act.forward_peak = max(act.forward_peak, Q * softmax)
     (saved, peak), rows = m.objective, blocks
     for _ in range(drafts):
