@@ -73,11 +73,10 @@ def _node_lines(p: Plan, cfg: DictConfig) -> List[str]:
     if p.counts:
         bt = dtype_bytes(cfg.target.dtype.value)
         host = s.gpus_per_node * (p.counts.target * bt + 16 * int(f["train_tokens"]))
-        if cfg.train.features.value == "offline":
-            host += s.gpus_per_node * int(f["cache_total"])
+        mapped = "; the cache is memory-mapped, read from disk and shared by the node's ranks" \
+            if cfg.train.features.value == "offline" else ""
         lines.append(f"  GPU memory {s.gpus_per_node} × {p.total / GIB:.1f} GiB; host RAM ≥ {host / GIB:.1f} GiB (each rank "
-                     "loads the target on the host and holds every "
-                     f"conversation{' and the cache' if cfg.train.features.value == 'offline' else ''})")
+                     f"loads the target on the host and holds every conversation{mapped})")
     disk = 20 * int(f["tokens"]) + (int(f["cache_total"]) if cfg.train.features.value == "offline" else 0)
     lines.append(f"  disk: train.data_dir ≈ {_size(disk)} on every node (shards"
                  f"{' + hidden/' if cfg.train.features.value == 'offline' else ''}); output_dir on a filesystem all nodes share")
