@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -76,6 +78,24 @@ def remove_stale_temps(folder: Path, name: str = "") -> None:
         return
     for p in folder.glob(f".{name}*.tmp" if name else ".*.tmp"):
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+@contextmanager
+def claim(path: Path) -> Iterator[bool]:
+    """An exclusive claim on one piece of work that several processes share (a data shard): yields True while this
+    process holds the lock on `path`, or False at once if another process does. The lock (flock) goes when the block
+    ends or the process dies, even when killed, so a crashed worker's work is free again and nothing is left to clean."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def file_checksums(folder: Path, skip: Sequence[str] = ()) -> Dict[str, str]:

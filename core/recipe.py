@@ -163,8 +163,9 @@ class DataConfig:
     responses: ResponseSource = ResponseSource.target
     target_share: Optional[float] = checked(None, SHARE)  # with responses=mix: the share of conversations the target regenerates
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
-    # parallel data jobs on one output_dir: worker w of `workers` regenerates the shards i with i % workers == w (run
-    # one single-threaded process per core, each with its own data.worker); the last to finish writes stats.json
+    # parallel data jobs on one output_dir (one single-threaded process per core, each with its own data.worker):
+    # each claims a shard before making it; worker w takes the shards i with i % workers == w first, then any other
+    # no worker holds; the last to finish writes stats.json
     workers: int = checked(1, AT_LEAST_ONE)
     worker: int = checked(0, NON_NEGATIVE)
 

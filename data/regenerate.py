@@ -38,6 +38,7 @@ from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
     checksum_problem,
+    claim,
     file_checksums,
     first_line,
     json_file_problem,
@@ -403,6 +404,11 @@ def hidden_path(out: Path, i: int) -> Path:
     return out / "hidden" / f"{shard_name(i)}.safetensors"
 
 
+def claim_path(out: Path, name: str) -> Path:
+    """The lock file a worker holds while it makes `name` (a shard, or a shard's hidden-state file)."""
+    return out / ".claims" / name
+
+
 def shard_problem(folder: Path, expected_ids: List[str], settings: dict) -> Optional[str]:
     """Why an existing shard cannot be reused as is (None if it is complete and intact).
     Raises if the shard is intact but was made with different settings: that is the user's call, not ours."""
@@ -544,15 +550,13 @@ def generate_dataset(cfg: DictConfig) -> dict:
     kept = len(shards) - len(todo)
     if kept:
         log.info(f"resuming: {kept} of {len(shards)} shards already done")
-    others = [i for i in todo if i % d.workers != d.worker]
-    todo = [i for i in todo if i % d.workers == d.worker]
+    mine = [i for i in todo if i % d.workers == d.worker]
+    order = mine + [i for i in todo if i % d.workers != d.worker]  # its own shards first, then any no worker holds
     if d.workers > 1:
-        for i in range(d.worker, len(shards), d.workers):
-            remove_stale_temps(out / "shards", shard_name(i))
-            remove_stale_temps(out / "hidden", hidden_path(out, i).name)
-        log.info(f"worker {d.worker} of {d.workers}: {len(todo)} shards here, {len(others)} for the other workers")
+        log.info(f"worker {d.worker} of {d.workers}: {len(mine)} of the {len(todo)} missing shards are this worker's; "
+                 "then it takes the others' that no worker has claimed")
 
-    progress = tqdm(total=sum(len(shards[i]) for i in todo) * d.max_turns, unit="turn", desc="generating",
+    progress = tqdm(total=sum(len(shards[i]) for i in mine) * d.max_turns, unit="turn", desc="generating",
                     dynamic_ncols=True)
     gen_tokens, live_tokens = 0, 0
 
@@ -571,13 +575,27 @@ def generate_dataset(cfg: DictConfig) -> dict:
     engine_facts = engine.probe(d.temperature, d.top_p) if regenerates else {}
     ended: Dict[str, int] = {}
     start = time.perf_counter()  # after the probe: tokens/s is the regeneration's own
-    for i in todo:
-        records = build_conversations(shards[i], engine, tokenizer, eos, d, d.seed * 100_003 + i, max_prompt,
-                                      context - d.max_new_tokens, ended, on_turn)
-        if not records:
-            raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check data.responses "
-                                   f"and the prompt file's assistant turns")
-        write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
+
+    def complete(i: int) -> bool:  # shard i is in place and intact
+        folder = out / "shards" / shard_name(i)
+        return folder.exists() and shard_problem(folder, [p["id"] for p in shards[i]], settings) is None
+
+    made = []
+    for i in order:
+        with claim(claim_path(out, shard_name(i))) as held:
+            if not held or complete(i):  # another worker is making it, or made it meanwhile
+                continue
+            remove_stale_temps(out / "shards", shard_name(i))  # a killed worker's leftovers: the shard is ours now
+            if i not in mine:
+                progress.total += len(shards[i]) * d.max_turns
+                progress.refresh()
+            records = build_conversations(shards[i], engine, tokenizer, eos, d, d.seed * 100_003 + i, max_prompt,
+                                          context - d.max_new_tokens, ended, on_turn)
+            if not records:
+                raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check "
+                                       "data.responses and the prompt file's assistant turns")
+            write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
+            made.append(i)
     progress.close()
     gen_seconds = time.perf_counter() - start
 
@@ -592,19 +610,20 @@ def generate_dataset(cfg: DictConfig) -> dict:
     def cache_hidden(i: int) -> None:  # the target's hidden states of shard i, unless an intact file has them
         if not has_hidden(i):
             log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
+            remove_stale_temps(out / "hidden", hidden_path(out, i).name)
             write_hidden(target_hidden_states(model, shard_of(i)["input_ids"], layer_ids, d.hidden_states.batch_size,
                                               hidden_dtype), hidden_path(out, i), layer_ids)
 
-    if d.workers > 1:  # this worker's shards first (hidden states too); whoever finds all in place assembles the rest
+    if d.workers > 1:  # hidden states the same way: its own shards first, then any no worker holds
         if layer_ids:
-            for i in range(d.worker, len(shards), d.workers):
-                cache_hidden(i)
-        waiting = [i for i in range(len(shards)) if i % d.workers != d.worker and (
-            shard_problem(out / "shards" / shard_name(i), [p["id"] for p in shards[i]], settings) is not None
-            or (layer_ids and not has_hidden(i)))]
-        if waiting:
-            log.info(f"worker {d.worker} of {d.workers} done ({len(todo)} shards generated); {len(waiting)} shards are "
-                     f"still the other workers' ({', '.join(shard_name(i) for i in waiting[:4])}"
+            for i in sorted(range(len(shards)), key=lambda i: i % d.workers != d.worker):
+                with claim(claim_path(out, hidden_path(out, i).name)) as held:
+                    if held and complete(i):
+                        cache_hidden(i)
+        waiting = [i for i in range(len(shards)) if not complete(i) or (layer_ids and not has_hidden(i))]
+        if waiting:  # shards other workers still hold: the last worker to finish assembles stats.json
+            log.info(f"worker {d.worker} of {d.workers} done ({len(made)} shards generated); {len(waiting)} shards are "
+                     f"still with the other workers ({', '.join(shard_name(i) for i in waiting[:4])}"
                      f"{', …' if len(waiting) > 4 else ''}): the last worker to finish writes stats.json")
             return {"shards": len(shards), "waiting": len(waiting),
                     "this_run": {"generated_tokens": gen_tokens, "seconds": round(gen_seconds, 2)}}
@@ -627,7 +646,7 @@ def generate_dataset(cfg: DictConfig) -> dict:
         "assistant_turns": sum(dataset["num_turns"]),
         "finished_responses": sum(dataset["finished"]),
         "by_source": by_source,
-        "this_run": {"generated_conversations": sum(len(shards[i]) for i in todo), "generated_tokens": gen_tokens,
+        "this_run": {"generated_conversations": sum(len(shards[i]) for i in made), "generated_tokens": gen_tokens,
                      "seconds": round(gen_seconds, 2), "tokens_per_s": round(gen_tokens / max(gen_seconds, 1e-9), 2),
                      "conversation_ends": ended, "engine": {**engine_facts, **engine.counters}},
         "hidden_state_layers": layer_ids,

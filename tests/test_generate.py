@@ -16,9 +16,15 @@ from conftest import small_data_recipe, tiny_llama_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError, claim
 from specdrafter.data.assets import load_target
-from specdrafter.data.regenerate import check_free_space, generate_dataset, generate_responses, load_generated
+from specdrafter.data.regenerate import (
+    check_free_space,
+    claim_path,
+    generate_dataset,
+    generate_responses,
+    load_generated,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
@@ -95,25 +101,33 @@ def test_resume_keeps_finished_shards_and_reproduces_missing_ones(tmp_path, tiny
     assert shard_rows(tmp_path) == first  # per-shard seeds: the regenerated shard is the same sample
 
 
-def test_parallel_workers_split_the_shards_and_make_the_same_dataset(tmp_path, tiny_target, prompt_file):
+def test_parallel_workers_share_the_shards_and_make_the_same_dataset(tmp_path, tiny_target, prompt_file):
+    """Workers claim shards (a lock each): a worker makes its own first, then any other no worker holds, and skips a
+    held one — and its temps, which the holder may be writing. Whoever makes a shard, it is the same sample."""
     one = tmp_path / "one"
     generate_dataset(recipe(one, tiny_target, prompt_file, "data.num_conversations=9"))
     split = tmp_path / "split"
-    first = generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2"))
-    assert first["waiting"] == 1 and not (split / "stats.json").exists()  # worker 0 made shards 0 and 2, not 1
+    args = [split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2"]
+    stale = split / "shards" / ".shard-00001.abc.tmp"  # the temp of a shard another worker holds: not ours to delete
+    stale.mkdir(parents=True)
+    with claim(claim_path(split, "shard-00001")) as held:  # a live worker 1 making shard 1
+        assert held
+        first = generate_dataset(recipe(*args))
+    assert first["waiting"] == 1 and not (split / "stats.json").exists() and stale.exists()
     assert sorted(p.name for p in (split / "shards").glob("shard-*")) == ["shard-00000", "shard-00002"]
-    stale = split / "shards" / ".shard-00002.abc.tmp"  # a temp of a shard that is not worker 1's: not its to delete
-    stale.mkdir()
-    last = generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2",
-                                   "data.worker=1"))
-    assert last["conversations"] == 9 and (split / "stats.json").is_file() and stale.exists()
+    # worker 1 was killed: its claim went with it, so worker 0 takes shard 1 over, its temp with it, and assembles
+    last = generate_dataset(recipe(*args))
+    assert last["conversations"] == 9 and last["this_run"]["generated_conversations"] == 3
+    assert (split / "stats.json").is_file() and not stale.exists()
     assert shard_rows(split) == shard_rows(one)  # per-shard seeds: who made a shard does not change it
-    # the hidden-state cache splits the same way: worker 1 caches shard 1, worker 0 shards 0 and 2 and assembles
+    # the hidden-state cache the same way: worker 1 caches its shard 1, then 2; shard 0 is held
     cache = ["data.hidden_states.layer_ids=[1,2]", "data.hidden_states.dtype=float32"]
-    waiting = generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2",
-                                      "data.worker=1", *cache))
-    assert waiting["waiting"] == 2 and [p.name for p in (split / "hidden").glob("*")] == ["shard-00001.safetensors"]
-    generate_dataset(recipe(split, tiny_target, prompt_file, "data.num_conversations=9", "data.workers=2", *cache))
+    with claim(claim_path(split, "shard-00000.safetensors")) as held:
+        assert held
+        waiting = generate_dataset(recipe(*args, "data.worker=1", *cache))
+    assert waiting["waiting"] == 1
+    assert sorted(p.name for p in (split / "hidden").glob("*")) == ["shard-00001.safetensors", "shard-00002.safetensors"]
+    generate_dataset(recipe(*args, *cache))
     generate_dataset(recipe(one, tiny_target, prompt_file, "data.num_conversations=9", *cache))
     for i in range(3):
         name = f"shard-{i:05d}.safetensors"
@@ -122,6 +136,26 @@ def test_parallel_workers_split_the_shards_and_make_the_same_dataset(tmp_path, t
     assert json.loads((split / "stats.json").read_text())["hidden_state_layers"] == [1, 2]
     with pytest.raises(SpecdrafterError, match="data.worker' \\(2\\) must be below data.workers \\(2\\)"):
         generate_dataset(recipe(split, tiny_target, prompt_file, "data.workers=2", "data.worker=2"))
+
+
+def test_a_claim_is_exclusive_until_its_holder_lets_go_or_dies(tmp_path):
+    path = tmp_path / ".claims" / "shard-00003"
+    with claim(path) as first:
+        with claim(path) as second:
+            assert first and not second
+    with claim(path) as again:
+        assert again
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from specdrafter.core.io import claim\n"
+                               f"with claim(Path({str(path)!r})) as held:\n print(held, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "True"
+    with claim(path) as taken:
+        assert not taken  # a live worker's
+    holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
+    holder.wait()
+    with claim(path) as taken:
+        assert taken
 
 
 def test_corrupt_shard_is_named_moved_aside_and_regenerated(tmp_path, tiny_target, prompt_file, caplog):
