@@ -581,21 +581,26 @@ def generate_dataset(cfg: DictConfig) -> dict:
         return folder.exists() and shard_problem(folder, [p["id"] for p in shards[i]], settings) is None
 
     made = []
-    for i in order:
-        with claim(claim_path(out, shard_name(i))) as held:
-            if not held or complete(i):  # another worker is making it, or made it meanwhile
-                continue
-            remove_stale_temps(out / "shards", shard_name(i))  # a killed worker's leftovers: the shard is ours now
-            if i not in mine:
-                progress.total += len(shards[i]) * d.max_turns
-                progress.refresh()
-            records = build_conversations(shards[i], engine, tokenizer, eos, d, d.seed * 100_003 + i, max_prompt,
-                                          context - d.max_new_tokens, ended, on_turn)
-            if not records:
-                raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check "
-                                       "data.responses and the prompt file's assistant turns")
-            write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
-            made.append(i)
+    while True:  # pass again until a pass takes nothing: a shard a killed worker let go is taken over as well
+        taken = False
+        for i in order:
+            with claim(claim_path(out, shard_name(i))) as held:
+                if not held or complete(i):  # another worker is making it, or made it meanwhile
+                    continue
+                remove_stale_temps(out / "shards", shard_name(i))  # a killed worker's leftovers: the shard is ours now
+                if i not in mine:
+                    progress.total += len(shards[i]) * d.max_turns
+                    progress.refresh()
+                records = build_conversations(shards[i], engine, tokenizer, eos, d, d.seed * 100_003 + i, max_prompt,
+                                              context - d.max_new_tokens, ended, on_turn)
+                if not records:
+                    raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check "
+                                           "data.responses and the prompt file's assistant turns")
+                write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
+                made.append(i)
+                taken = True
+        if not taken:
+            break
     progress.close()
     gen_seconds = time.perf_counter() - start
 
