@@ -39,8 +39,9 @@ def cached_rows(cfg, target, data, drafter, batches: int, folder: Path) -> dict:
     folder, layer set, batch count and teacher vocabulary."""
     tc, layers = cfg.train, feature_layers(cfg, target.config)
     ids = drafter.teacher_ids.tolist() if drafter.teacher_ids is not None else None
-    key = hashlib.sha256(json.dumps([str(Path(tc.data_dir).resolve()), cfg.target.model, layers, batches,
-                                     tc.micro_batch_size, tc.max_length, tc.heldout, tc.seed, ids]).encode()).hexdigest()
+    facts = [str(Path(tc.data_dir).resolve()), cfg.target.model, layers, batches, tc.micro_batch_size, tc.max_length,
+             tc.heldout, tc.seed, tc.data_tokens, ids]
+    key = hashlib.sha256(json.dumps(facts).encode()).hexdigest()
     path = folder / f"rows-{key[:16]}.pt"
     if path.is_file():
         try:
@@ -92,7 +93,8 @@ def setup(args):
     tc = cfg.train
     target, tokenizer = load_target(cfg.target.model, "float32")
     target.requires_grad_(False)
-    data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed)
+    data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed,
+                        data_tokens=tc.data_tokens)  # a prefix: the same rows however far the data job has got
     if len(data.train) < tc.micro_batch_size:
         raise SpecdrafterError(f"the probe needs at least one micro-batch of {tc.micro_batch_size} training "
                                f"conversations ({len(data.train)} in {tc.data_dir})")

@@ -945,3 +945,14 @@ def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, p
     probe(args)
     assert "target rows cached" not in capsys.readouterr().out
     assert json.loads((tmp_path / "probe" / "learning.json").read_text()) == first
+    # train.data_tokens: rows from the data's first conversations only (the same rows however many shards exist)
+    dataset = load_generated(data_dir)
+    prefix = 12
+    tokens = sum(dataset["num_response_tokens"][:prefix])
+    probe(args[:4] + [f"train.data_tokens={tokens}"] + args[4:-2] + ["--out", str(tmp_path / "prefix")])
+    assert "target rows cached" in capsys.readouterr().out
+    allowed = {tuple(ids) for ids in dataset["input_ids"][:prefix]}
+    store = torch.load(next((tmp_path / "prefix").glob("rows-*.pt")), weights_only=False)
+    for batch, _ in store["train"] + store["held"]:
+        for row, mask in zip(batch.input_ids.tolist(), batch.attention_mask.tolist()):
+            assert tuple(row[:sum(mask)]) in allowed
