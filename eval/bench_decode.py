@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
 from specdrafter.core.recipe import DrafterKind, load_recipe
-from specdrafter.data.assets import load_prompt_set
+from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, cycle_metrics, is_noisy, range_of, spread_label
 from specdrafter.eval.report import machine_line
@@ -72,6 +72,17 @@ class Setup:
 
     def sampling(self, t: float) -> SamplingParams:
         return SamplingParams(t, self.inference.top_k, self.inference.top_p)
+
+
+def serving_target(cfg: DictConfig, args):
+    """The target the arms verify with. A drafter flag names the recipe's own drafter when the recipe gives no
+    drafter.path (`--dspark PATH` with the DSpark recipe); a recipe whose kind no flag names serves its plain target."""
+    given = {name: getattr(args, name) for name in KINDS if getattr(args, name, None)}
+    if given and not cfg.drafter.path:
+        if cfg.drafter.kind.value not in given:
+            return load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
+        cfg.drafter.path = str(given[cfg.drafter.kind.value])
+    return load_serving_target(cfg)
 
 
 def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
@@ -334,7 +345,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
-        target, tokenizer = load_serving_target(cfg)
+        target, tokenizer = serving_target(cfg, args)
         eos = eos_token_ids(target, tokenizer)
         arms = build_arms(cfg, args, target, eos)
         unknown = sorted(set(args.arms or []) - {a.name for a in arms})

@@ -36,8 +36,8 @@ if wants eval; then
   for kind in dspark dflash eagle3-regen; do
     sweep="[]"; [[ $kind == eagle3-regen ]] && sweep="[7]"  # EAGLE-3 at its k = 4, and at the blocks' 7 on MT-Bench, T 0
     say "evaluating $kind → $runs/$kind/eval/report.md"
-    python launch/eval_acceptance.py recipes/smollm2-135m-$kind.yaml checkpoint=$runs/$kind/drafter eval.sets=$sets \
-      eval.num_prompts=8 eval.max_new_tokens=128 eval.temperatures=[0,1] eval.k_sweep=$sweep eval.repeats=1 \
+    python launch/eval_acceptance.py recipes/smollm2-135m-$kind.yaml checkpoint=$runs/$kind/drafter "eval.sets=$sets" \
+      eval.num_prompts=8 eval.max_new_tokens=128 "eval.temperatures=[0,1]" "eval.k_sweep=$sweep" eval.repeats=1 \
       > "$runs/eval-$kind.log" 2>&1
   done
 fi

@@ -365,7 +365,7 @@ def test_a_dspark_checkpoint_through_the_eval_job_and_the_benchmark(tmp_path, ti
     chain = [c for c in cells if c["verifier"] == "chain" and c["k"] == 3]
     assert len(chain) == 2 and all(len(c["per_position"]) == 3 and c["mean_drafted"] == 3 for c in chain)
     bench_decode.main(["recipes/smollm2-135m-dspark.yaml", f"target.model={tiny_target}", "inference.k=3",
-                       f"drafter.path={folder / 'drafter'}", "--dspark", str(folder / "drafter"), "--sets", "mtbench",
+                       "--dspark", str(folder / "drafter"), "--sets", "mtbench",
                        "--prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path / "bench")])
     rows = json.loads((tmp_path / "bench" / "bench_decode.json").read_text())["rows"]
     assert [(r["temperature"], r["arm"]) for r in rows] == [
