@@ -74,10 +74,15 @@ class Setup:
         return SamplingParams(t, self.inference.top_k, self.inference.top_p)
 
 
+def given_drafters(args) -> Dict[str, str]:
+    """{kind: folder} of the drafter flags given (`--eagle3 PATH`, `--dspark PATH`, ...)."""
+    return {name: getattr(args, name) for name in KINDS if getattr(args, name, None)}
+
+
 def serving_target(cfg: DictConfig, args):
     """The target the arms verify with. A drafter flag names the recipe's own drafter when the recipe gives no
     drafter.path (`--dspark PATH` with the DSpark recipe); a recipe whose kind no flag names serves its plain target."""
-    given = {name: getattr(args, name) for name in KINDS if getattr(args, name, None)}
+    given = given_drafters(args)
     if given and not cfg.drafter.path:
         if cfg.drafter.kind.value not in given:
             return load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
@@ -89,7 +94,7 @@ def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
     """What is measured: target-only HF `generate`, then the arms of every drafter given (`--<kind> PATH`), or of the
     recipe's own drafter; each kind names its arms (kinds/: bench_arms)."""
     setup = Setup(target, eos, args.max_new_tokens, cfg.inference)
-    given = {name: getattr(args, name) for name in KINDS if getattr(args, name, None)}
+    given = given_drafters(args)
     if not given:  # the recipe's own drafter
         given[cfg.drafter.kind.value] = cfg.drafter.path
     arms = [Arm("target", hf_decoder(setup))]
