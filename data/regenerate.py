@@ -176,7 +176,7 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [B, T]
         cache = DynamicCache()
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         rows = torch.tensor(batch, device=device)  # [B] which prompt each batch row answers
         positions = position_ids[:, -1:]  # [B, 1]
         for step in range(max_new_tokens):
@@ -193,7 +193,7 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
             positions = positions + 1
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)  # [B', S+1]
             logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True).logits[:, -1]  # [B', V]
+                           cache=cache, use_cache=True).logits[:, -1]  # [B', V]
         if on_batch is not None:
             on_batch(len(batch), sum(len(responses[i]) for i in batch))
     return responses

@@ -373,6 +373,8 @@ def test_deepspeed_two_ranks_train_and_the_loss_falls(kind, deepspeed_run):
     assert steps == [4, 8]
     state = json.loads((out / "checkpoints" / "step-000008" / "trainer_state.json").read_text())
     assert state["step"] == STEPS and state["drafter"] == kind
+    halfway = json.loads((out / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert 0 < halfway["seconds"] < state["seconds"]  # the steps' wall-clock time, for the cost per target token
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     first, last = records[:2], records[-2:]

@@ -205,6 +205,7 @@ def _flatten(d, prefix=""):
 class Progress:
     step: int = 0  # optimizer steps taken
     tokens: int = 0  # target tokens seen by this rank
+    seconds: float = 0.0  # wall-clock time of this rank's optimizer steps, summed over resumptions (not evals or saves)
     last_metrics: Optional[Dict[str, float]] = None
 
 
@@ -297,7 +298,7 @@ def setup(cfg: DictConfig) -> Run:
     progress = Progress()
     if resume is not None:
         state = load_deepspeed_state(engine, resume)
-        progress = Progress(state["step"], state["tokens"], state.get("metrics"))
+        progress = Progress(state["step"], state["tokens"], state.get("seconds", 0.0), state.get("metrics"))
         torch.set_rng_state(state["rng"])
         log.info(f"resuming from {resume} (step {progress.step} of {total})")
     elif tc.warm_start:
@@ -319,6 +320,7 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
     """One optimizer step: grad_accum micro-batches of this rank's share of the data (fixed by the global micro-batch
     counter, so a resumed run reads what an uninterrupted one would). Returns the step's record for the logs."""
     tc = run.cfg.train
+    step_began = time.perf_counter()
     names: List[str] = []  # the drafter's predictions, in the order micro_batch_loss returns them
     logged = []  # per micro-batch [1 + P]: its loss and each prediction's objective, detached, read once per step
     for micro in range(tc.grad_accum):
@@ -342,6 +344,7 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
         for name, value in zip(names, objectives):
             parts[f"loss/{name}"] += value / tc.grad_accum
     run.progress.step = step + 1
+    run.progress.seconds += time.perf_counter() - step_began
     began, tokens_then = run.started
     speed = (run.progress.tokens - tokens_then) * run.world / max(time.perf_counter() - began, 1e-9)
     return {"step": run.progress.step, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": speed,
@@ -452,15 +455,16 @@ def save_checkpoint(engine, drafter, cfg: DictConfig, root: Path, progress: Prog
     if folder.exists() and rank == 0:
         shutil.rmtree(folder)  # a partial save of the same step from a killed run
     dist.barrier()
-    state = {"step": progress.step, "tokens": progress.tokens, "rng": torch.get_rng_state(), "metrics": progress.last_metrics}
+    state = {"step": progress.step, "tokens": progress.tokens, "seconds": progress.seconds, "rng": torch.get_rng_state(),
+             "metrics": progress.last_metrics}
     engine.save_checkpoint(str(root), tag=tag, client_state=state)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=cfg.train.zero_stage == 3):
         if rank == 0:
             drafter.save(engine.module, folder / "drafter", tokenizer)
     if rank == 0:
         atomic_write_text(folder / "recipe.yaml", OmegaConf.to_yaml(cfg))
-        write_checkpoint_state(folder, {"step": progress.step, "tokens": progress.tokens, "drafter": cfg.drafter.kind.value,
-                                        "metrics": progress.last_metrics})
+        write_checkpoint_state(folder, {"step": progress.step, "tokens": progress.tokens, "seconds": round(progress.seconds, 2),
+                                        "drafter": cfg.drafter.kind.value, "metrics": progress.last_metrics})
         for old in complete_checkpoints(root)[:-cfg.train.keep_checkpoints]:
             shutil.rmtree(old)
     dist.barrier()
