@@ -54,18 +54,18 @@ def write_report(data: dict, out: Path) -> Path:
         speedup_columns = [("speedup (drift-corrected)", _speedup), ("drift spread", _spread)]
     uncorrected = [("uncorrected", "speedup_uncorrected")] if repeats == 1 else []
     lines += [how, "", NOISY_LEGEND, ""]
-    lines += [f"## Checkpoint {newest}", "", _table(main, [
-        ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", _shape), ("α", "alpha"),
+    lines += [f"## Checkpoint {newest}", "", cell_table(main, [
+        ("set", "set"), ("T", "temperature"), ("verifier", "verifier"), ("k / tree", shape_label), ("α", "alpha"),
         ("τ", "tau"), ("tok/s", "tokens_per_s"), *speedup_columns, *uncorrected,
         ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted"), ("mean D_TV", "mean_tv"),
         ("α − (1 − D_TV)", "alpha_tv_gap"),
         ("c", "c"), ("best k", "best_k"), ("GSM8K acc.", "answer_accuracy")]), ""]
     lines += ["Per-position acceptance (P(draft j accepted | 1..j−1 accepted); in brackets the cycles that tried j):", "",
-              _table(main, [("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
-                            ("per position", _positions)]), ""]
+              cell_table(main, [("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
+                            ("per position", positions_label)]), ""]
     steps = [c for c in cells if not c["sweep"] and c["verifier"] != "asd"]
     if len({c["checkpoint"] for c in steps}) > 1:
-        lines += ["## By checkpoint", "", _table(sorted(steps, key=lambda c: (c["step"] or 0)), [
+        lines += ["## By checkpoint", "", cell_table(sorted(steps, key=lambda c: (c["step"] or 0)), [
             ("checkpoint", "checkpoint"), ("step", "step"), ("set", "set"), ("T", "temperature"), ("verifier", "verifier"),
             ("α", "alpha"), ("τ", "tau"), *speedup_columns]), ""]
     sweep = [c for c in cells if c["sweep"]]
@@ -75,16 +75,16 @@ def write_report(data: dict, out: Path) -> Path:
                   (c["checkpoint"], c["set"], c["temperature"]) == (ref["checkpoint"], ref["set"], ref["temperature"])]
     sweep = sorted(sweep, key=lambda c: (c["k"] == "auto", c["k"] if c["k"] != "auto" else 0))
     if sweep:
-        lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", _table(sweep, [
-            ("k", _shape), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), *speedup_columns,
+        lines += [f"## Speedup vs k ({sweep[0]['set']}, T = 0, checkpoint {sweep[0]['checkpoint']})", "", cell_table(sweep, [
+            ("k", shape_label), ("α", "alpha"), ("τ", "tau"), ("tok/s", "tokens_per_s"), *speedup_columns,
             ("predicted", "predicted_speedup"), ("measured/predicted", "measured_over_predicted")]), ""]
     audit = asd_audit(data, out)
     if audit:
-        lines += ["## ASD audit (T = 0, strict greedy vs approximate speculative decoding)", "", _table(audit, [
+        lines += ["## ASD audit (T = 0, strict greedy vs approximate speculative decoding)", "", cell_table(audit, [
             ("set", "set"), ("setting", "setting"), ("tok/s", "tokens_per_s"), ("vs strict", "vs_strict"),
             ("spread", "vs_strict_spread"), ("τ", "tau"),
             ("regret / prompt", "asd_regret"), ("outputs differing", "differs"), ("GSM8K acc.", "answer_accuracy")]), ""]
-    lines += ["## Target-only baselines (HF generate)", "", _table(
+    lines += ["## Target-only baselines (HF generate)", "", cell_table(
         [{"cell": k.replace("|", ", "), **b} for k, b in data["baselines"].items()], [
             ("set, T", "cell"), ("tokens", "tokens"), ("tok/s", "tokens_per_s"),
             ("target-step spread", "target_step_spread")]), ""]
@@ -124,7 +124,7 @@ def _newest(cells: List[dict]) -> str:
     return max(cells, key=lambda c: (c["step"] is not None, c["step"] or 0))["checkpoint"] if cells else "–"
 
 
-def _positions(c: dict) -> str:
+def positions_label(c: dict) -> str:
     counts = c.get("per_position_n") or [None] * len(c["per_position"])
     return " ".join(("–" if a is None else f"{a:.2f}") + ("" if n is None else f" [{n}]")
                     for a, n in zip(c["per_position"], counts))
@@ -157,7 +157,7 @@ def _spread(c: dict) -> str:
     return spread_label(speedup.value, speedup.spread) if speedup else ""
 
 
-def _shape(c: dict) -> str:
+def shape_label(c: dict) -> str:
     if c.get("tree_size"):
         mean = c.get("mean_tree_size")
         return f"tree {c['tree_size']}" + (f" (auto, mean {mean:g})" if mean and mean < c["tree_size"] else "")
@@ -167,7 +167,7 @@ def _shape(c: dict) -> str:
     return str(c["k"]) + (f" (mean {mean:g})" if mean is not None and mean < c["k"] - 0.005 else "")
 
 
-def _table(rows: List[dict], columns) -> str:
+def cell_table(rows: List[dict], columns) -> str:
     if not rows:
         return "(none)"
     head = "| " + " | ".join(name for name, _ in columns) + " |"

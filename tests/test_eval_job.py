@@ -342,33 +342,82 @@ def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
     assert "Traceback" not in done.stderr
 
 
-def test_a_dspark_checkpoint_through_the_eval_job_and_the_benchmark(tmp_path, tiny_target):
-    """A block drafter goes through the same jobs as every kind: per-position acceptance and the drafts verified per
-    cycle in results.json; the benchmark's fixed-length, confidence-sized and ASD arms."""
-    from specdrafter.eval import bench_decode
+def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
+    """runs/<variant>/ as the comparison's training leaves it: a tiny block drafter's checkpoint, its trainer_state
+    with target tokens and seconds, then its evaluation (eval/results.json) by the eval job. Returns the checkpoint."""
     from specdrafter.models.block import BlockDrafter, block_config, save_block_drafter
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_config(target.config, "dspark", num_layers=1, block_size=4, target_layer_ids=[0],
-                                        markov_rank=8))
-    folder = tmp_path / "run" / "checkpoints" / "step-000002"
+    drafter = BlockDrafter(block_config(target.config, variant, num_layers=1, block_size=4, target_layer_ids=[0], **extra))
+    folder = runs / variant / "checkpoints" / "step-000002"
     save_block_drafter(drafter, folder / "drafter")
-    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "drafter": "dspark", "metrics": {}}))
-    out = tmp_path / "eval"
-    cfg = load_recipe(REPO / "recipes" / "smollm2-135m-dspark.yaml", [
-        f"output_dir={out}", f"target.model={tiny_target}", f"eval.checkpoint={tmp_path / 'run'}",
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "tokens": 900, "seconds": 3.0, "drafter": variant,
+                                                           "metrics": {}}))
+    out = runs / variant / "eval"
+    cfg = load_recipe(REPO / "recipes" / f"smollm2-135m-{variant}.yaml", [
+        f"output_dir={out}", f"target.model={tiny_target}", f"eval.checkpoint={runs / variant}",
         f"eval.output_dir={out}", "eval.sets=[mtbench]", "eval.num_prompts=1", "eval.max_new_tokens=8",
         "eval.temperatures=[0,1]", "eval.k_sweep=[2]", "eval.repeats=1", "inference.k=3",
         "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0]"])
     run_eval(cfg)
-    cells = json.loads((out / "results.json").read_text())["cells"]
-    chain = [c for c in cells if c["verifier"] == "chain" and c["k"] == 3]
-    assert len(chain) == 2 and all(len(c["per_position"]) == 3 and c["mean_drafted"] == 3 for c in chain)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dspark_runs(tmp_path_factory, tiny_target) -> Path:
+    """runs/dspark/ (block_run) and runs/bench-dspark/bench_decode.json: the DSpark drafter benchmarked at a fixed
+    length, confidence-sized and under ASD."""
+    from specdrafter.eval import bench_decode
+    runs = tmp_path_factory.mktemp("runs")
+    folder = block_run(runs, tiny_target, "dspark", markov_rank=8)
     bench_decode.main(["recipes/smollm2-135m-dspark.yaml", f"target.model={tiny_target}", "inference.k=3",
                        "--dspark", str(folder / "drafter"), "--sets", "mtbench",
-                       "--prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path / "bench")])
-    rows = json.loads((tmp_path / "bench" / "bench_decode.json").read_text())["rows"]
+                       "--prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out", str(runs / "bench-dspark")])
+    return runs
+
+
+def test_a_dspark_checkpoint_through_the_eval_job_and_the_benchmark(dspark_runs):
+    """A block drafter goes through the same jobs as every kind: per-position acceptance and the drafts verified per
+    cycle in results.json; the benchmark's fixed-length, confidence-sized and ASD arms."""
+    cells = json.loads((dspark_runs / "dspark" / "eval" / "results.json").read_text())["cells"]
+    chain = [c for c in cells if c["verifier"] == "chain" and c["k"] == 3]
+    assert len(chain) == 2 and all(len(c["per_position"]) == 3 and c["mean_drafted"] == 3 for c in chain)
+    rows = json.loads((dspark_runs / "bench-dspark" / "bench_decode.json").read_text())["rows"]
     assert [(r["temperature"], r["arm"]) for r in rows] == [
         (0.0, "target"), (0.0, "dspark_chain"), (0.0, "dspark_confidence"), (0.0, "dspark_asd"),
         (1.0, "target"), (1.0, "dspark_chain"), (1.0, "dspark_confidence")]
     assert all(1 <= r["mean_drafted"] <= 3 for r in rows if r["arm"] != "target")
+
+
+def test_the_comparison_report_checks_each_goal_against_the_runs_reports(dspark_runs, tiny_target, tmp_path, monkeypatch):
+    """eval/compare.py: the goals table from the runs' own reports: τ ratios from both evaluations (DFlash as the
+    baseline here), DSpark's MT-Bench τ, ASD over strict from the benchmark, the training cost from trainer_state;
+    a goal without its run says "not measured"; the reports are copied beside the README."""
+    from specdrafter.eval import compare
+    block_run(dspark_runs, tiny_target, "dflash")
+    monkeypatch.setattr(compare, "BASELINE", "dflash")
+    out = tmp_path / "report"
+    compare.main(["--runs", str(dspark_runs), "--out", str(out)])
+    found = compare.collect(dspark_runs)
+    goals = {g["id"]: g for g in compare.goals(found)}
+    dspark, dflash = (compare.main_cells(found["evals"][n]) for n in ("dspark", "dflash"))
+    ratios = [c["tau"] / b["tau"] for c in dspark for b in dflash if (b["set"], b["temperature"]) == (c["set"], c["temperature"])]
+    assert len(ratios) == 2
+    tau_goal = goals["tau_ratio"]
+    assert f"lowest {min(ratios):.2f}×" in tau_goal["measured"]
+    assert tau_goal["verdict"] == ("**met**" if min(ratios) >= 1.5 else f"missed by {1.5 - min(ratios):.2f}×")
+    mt = next(c for c in dspark if c["temperature"] == 0)
+    assert goals["tau_mtbench"]["measured"] == f"τ {mt['tau']:.2f}"
+    asd = next(r for r in json.loads((dspark_runs / "bench-dspark" / "bench_decode.json").read_text())["rows"]
+               if r["arm"] == "dspark_asd")
+    assert goals["asd"]["measured"].startswith(f"{asd['vs_strict']:+.1%}")
+    assert goals["bench_t0"]["verdict"] == goals["bench_t1"]["verdict"] == "not measured"
+    assert goals["training_cost"]["measured"].endswith("1.00× as fast")
+    readme = (out / "README.md").read_text()
+    assert "| mtbench | 0 |" in readme and "DSpark ÷ DFlash τ" in readme and "## Decode benchmark `bench-dspark`" in readme
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} >= {
+        "README.md", "dspark/report.md", "dspark/results.json", "dflash/report.md", "bench-dspark/bench_decode.md",
+        "bench-dspark/bench_decode.json"}
+    done = subprocess.run([sys.executable, "-m", "specdrafter.eval.compare", "--runs", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == f"error: --runs {tmp_path / 'none'}: no such folder"

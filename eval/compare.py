@@ -1,0 +1,230 @@
+"""The block-drafter comparison in one report: drafters trained on the same data (launch/block_comparison.sh), each
+evaluated by the eval job and benchmarked side by side by bench_decode, and the block drafters' goals checked against
+those numbers.
+
+    python -m specdrafter.eval.compare --runs runs/smollm2-135m --out docs/results/block-comparison
+
+Reads, for each drafter of DRAFTERS that is there, <runs>/<name>/eval/results.json (the eval job's) and the newest
+<runs>/<name>/checkpoints/*/trainer_state.json (target tokens and the seconds of the optimizer steps), and every
+<runs>/bench-*/bench_decode.json. Writes <out>/README.md and copies beside it each evaluation's report.md, results.json
+and plots (<out>/<name>/) and each benchmark's bench_decode.{md,json,png} (<out>/<bench>/). Nothing is estimated
+here: a goal whose numbers are missing says "not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from specdrafter.core.io import SpecdrafterError, atomic_write_bytes, atomic_write_text, complete_checkpoints, first_line
+from specdrafter.eval.acceptance import speedup_of
+from specdrafter.eval.report import cell_table, positions_label, shape_label
+
+# run folder under --runs → how the report names it; the first is the baseline the block drafters are measured against
+DRAFTERS = {"eagle3-regen": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "dspark-tf": "DSpark, teacher-forced data"}
+BASELINE, CANDIDATE = "eagle3-regen", "dspark"
+TAU_RATIO, TAU_MTBENCH = 1.5, 3.0  # DSpark τ ≥ 1.5 × EAGLE-3's on every set and temperature; ≥ 3.0 on MT-Bench, T = 0
+SPEEDUP = {0.0: 2.0, 1.0: 1.6}  # bench_decode with the bf16 target, over target-only: T → the goal
+ASD_GAIN = 0.07  # ASD over strict on the same DSpark drafter, T = 0: tokens/s
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_bytes().decode())
+    except (OSError, ValueError) as e:
+        raise SpecdrafterError(f"cannot read {path}: {first_line(e)}") from None
+
+
+def main_cells(results: dict) -> List[dict]:
+    """The chain cells at the recipe's own k (not the k sweep) of the newest checkpoint of an evaluation."""
+    cells = [c for c in results["cells"] if c["verifier"] == "chain" and not c["sweep"]]
+    newest = max((c["step"] or 0 for c in cells), default=0)
+    return [c for c in cells if (c["step"] or 0) == newest]
+
+
+def training_cost(run: Path) -> Optional[dict]:
+    """Target tokens per second of a training run's optimizer steps (its newest checkpoint), or None."""
+    done = complete_checkpoints(run / "checkpoints") if (run / "checkpoints").is_dir() else []
+    if not done:
+        return None
+    state = read_json(done[-1] / "trainer_state.json")
+    if not state.get("seconds"):
+        return None  # a checkpoint from before the loop recorded its time
+    return {"step": state["step"], "tokens": state["tokens"], "seconds": state["seconds"],
+            "tokens_per_s": state["tokens"] / state["seconds"]}
+
+
+def collect(runs: Path) -> dict:
+    found = {"evals": {}, "training": {}, "benches": {}}
+    for name in DRAFTERS:
+        if (runs / name / "eval" / "results.json").is_file():
+            found["evals"][name] = read_json(runs / name / "eval" / "results.json")
+        cost = training_cost(runs / name)
+        if cost:
+            found["training"][name] = cost
+    for path in sorted(runs.glob("bench-*/bench_decode.json")):
+        found["benches"][path.parent.name] = read_json(path)
+    return found
+
+
+def _cell(cells: List[dict], set_name: str, t: float) -> Optional[dict]:
+    return next((c for c in cells if c["set"] == set_name and c["temperature"] == t), None)
+
+
+def _bench_row(bench: Optional[dict], arm: str, t: float) -> Optional[dict]:
+    return next((r for r in (bench or {}).get("rows", []) if r["arm"] == arm and r["temperature"] == t), None)
+
+
+def _spread(spread: Optional[float]) -> str:
+    return f" (spread {spread:.2f})" if spread is not None else ""
+
+
+def _bench_speedup(row: dict) -> str:
+    return f"{row['speedup']:.2f}×{_spread(row.get('speedup_spread'))} at k {row.get('k_used')}"
+
+
+def _verdict(value: Optional[float], goal: float, unit: str = "") -> str:
+    if value is None:
+        return "not measured"
+    return "**met**" if value >= goal else f"missed by {goal - value:.2f}{unit}"
+
+
+def goals(found: dict) -> List[dict]:
+    """One row per goal: its id, what it asks, what was measured, and whether it was met."""
+    rows = []
+    base, cand = (main_cells(found["evals"][n]) if n in found["evals"] else [] for n in (BASELINE, CANDIDATE))
+    ratios = [(c["set"], c["temperature"], c["tau"] / b["tau"]) for c in cand
+              if (b := _cell(base, c["set"], c["temperature"])) and b["tau"]]
+    worst = min(ratios, key=lambda r: r[2]) if ratios else None
+    rows.append({"id": "tau_ratio", "goal": f"DSpark τ ≥ {TAU_RATIO}× {DRAFTERS[BASELINE]}'s (chain, same data), every "
+                 "set, T 0 and 1",
+                 "measured": (f"{statistics.mean(r[2] for r in ratios):.2f}× on average over {len(ratios)} cells; "
+                              f"lowest {worst[2]:.2f}× ({worst[0]}, T = {worst[1]:g})") if ratios else "",
+                 "verdict": _verdict(worst[2] if worst else None, TAU_RATIO, "×")})
+    mt = _cell(cand, "mtbench", 0.0)
+    rows.append({"id": "tau_mtbench", "goal": f"DSpark τ ≥ {TAU_MTBENCH} on MT-Bench, T = 0",
+                 "measured": f"τ {mt['tau']:.2f}" if mt else "", "verdict": _verdict(mt["tau"] if mt else None, TAU_MTBENCH)})
+    bf16, fp32 = (found["benches"].get(f"bench-block-auto{suffix}") for suffix in ("-bf16", ""))
+    for t, goal in SPEEDUP.items():
+        r, r32 = _bench_row(bf16, "dspark_chain", t), _bench_row(fp32, "dspark_chain", t)
+        measured = [f"{_bench_speedup(r)} with the bf16 target"] if r else []
+        measured += [f"{_bench_speedup(r32)} with the fp32 target (the faster dtype on a CPU without native bf16)"] if r32 else []
+        rows.append({"id": f"bench_t{t:g}", "goal": f"bench_decode, bf16 target, T = {t:g}: DSpark ≥ {goal}× over "
+                     "target-only", "measured": "; ".join(measured),
+                     "verdict": _verdict(r["speedup"] if r else None, goal, "×")})
+    asd = _bench_row(found["benches"].get("bench-dspark"), "dspark_asd", 0.0)
+    rows.append({"id": "asd", "goal": f"ASD over strict on the same DSpark drafter, T = 0: ≥ +{ASD_GAIN:.0%} tokens/s",
+                 "measured": (f"{asd['vs_strict']:+.1%}{_spread(asd.get('vs_strict_spread'))}; regret/prompt "
+                              f"{asd['asd_regret_per_prompt']}, outputs differing from strict {asd['outputs_differing']}")
+                 if asd and "vs_strict" in asd else "",
+                 "verdict": _verdict(asd["vs_strict"] if asd and "vs_strict" in asd else None, ASD_GAIN)})
+    cost = found["training"]
+    if BASELINE in cost and CANDIDATE in cost:
+        a, b = cost[CANDIDATE]["tokens_per_s"], cost[BASELINE]["tokens_per_s"]
+        measured = (f"DSpark {a:.0f}, {DRAFTERS[BASELINE]} {b:.0f} target tokens/s of training: DSpark {a / b:.2f}× "
+                    "as fast")
+    else:
+        measured = ""
+    rows.append({"id": "training_cost", "goal": f"training cost per target token, DSpark vs {DRAFTERS[BASELINE]}, same run",
+                 "measured": measured, "verdict": "reported" if measured else "not measured"})
+    return rows
+
+
+def tau_table(found: dict) -> str:
+    names = [n for n in DRAFTERS if n in found["evals"]]
+    cells = {n: main_cells(found["evals"][n]) for n in names}
+    keys = list(dict.fromkeys((c["set"], c["temperature"]) for n in names for c in cells[n]))
+    columns = [("set", lambda r: r["set"]), ("T", lambda r: r["t"])]
+    for n in names:
+        columns.append((f"{DRAFTERS[n]} τ (α, k)", lambda r, n=n: _tau_alpha(r[n])))
+    if BASELINE in names and CANDIDATE in names:
+        columns.append((f"DSpark ÷ {DRAFTERS[BASELINE]} τ", lambda r: f"{r[CANDIDATE]['tau'] / r[BASELINE]['tau']:.2f}×"
+                        if r[CANDIDATE] and r[BASELINE] else ""))
+    rows = [{"set": s, "t": t, **{n: _cell(cells[n], s, t) for n in names}} for s, t in keys]
+    return cell_table(rows, columns)
+
+
+def _tau_alpha(c: Optional[dict]) -> str:
+    return f"{c['tau']:.2f} ({c['alpha']:.2f}, {shape_label(c)})" if c else ""
+
+
+def speedup_table(found: dict) -> str:
+    """Each evaluation's own speedups (the eval job's, one thread beside a training on the other core)."""
+    rows = [{"drafter": DRAFTERS[n], **c} for n in DRAFTERS if n in found["evals"] for c in main_cells(found["evals"][n])]
+    return cell_table(rows, [("drafter", "drafter"), ("set", "set"), ("T", "temperature"), ("τ", "tau"),
+                         ("tok/s", "tokens_per_s"), ("speedup", lambda c: _speedup(c)), ("c", "c"),
+                         ("predicted", "predicted_speedup")])
+
+
+def _speedup(c: dict) -> str:
+    s = speedup_of(c)
+    return f"{s.value:.2f} ± {s.spread:.2f}" if s else ""
+
+
+def positions_table(found: dict) -> str:
+    rows = [{"drafter": DRAFTERS[n], **c} for n in DRAFTERS if n in found["evals"] for c in main_cells(found["evals"][n])
+            if c["set"] == "mtbench"]
+    return cell_table(rows, [("drafter", "drafter"), ("T", "temperature"),
+                             ("acceptance at draft j, given 1..j−1 accepted [cycles]", positions_label)])
+
+
+def bench_table(bench: dict) -> str:
+    return cell_table(bench["rows"], [("T", "temperature"), ("arm", "arm"), ("shape", "shape"), ("tok/s", "tokens_per_s"),
+                                  ("speedup", "speedup"), ("spread", "speedup_spread"), ("τ", "tau"), ("α", "alpha"),
+                                  ("c", "c"), ("k used", "k_used"), ("predicted", "predicted_speedup")])
+
+
+def write(found: dict, runs: Path, out: Path) -> Path:
+    lines = ["# Block drafters against EAGLE-3 on the same regenerated data", "",
+             "Made by `launch/block_comparison.sh` and `python -m specdrafter.eval.compare --runs "
+             f"{runs} --out {out}` from the runs' own reports (copied beside this file).", "",
+             "## Goals", "", cell_table(goals(found), [("goal", "goal"), ("measured", "measured"), ("", "verdict")]), ""]
+    if found["evals"]:
+        lines += ["## Acceptance (eval job)", "", "τ = tokens per target pass (bonus included), α = accepted ÷ drafted, "
+                  "at each recipe's k; chain verification.", "", tau_table(found), "",
+                  "Per position on MT-Bench:", "", positions_table(found), "",
+                  "The eval job's own speedups (each evaluation on one thread, possibly beside a training on the other "
+                  "core; the quiet benchmarks below are the speed numbers):", "", speedup_table(found), ""]
+    if found["training"]:
+        lines += ["## Training", "", cell_table([{"drafter": DRAFTERS[n], **c} for n, c in found["training"].items()], [
+            ("drafter", "drafter"), ("steps", "step"), ("target tokens", "tokens"), ("seconds of steps", "seconds"),
+            ("tokens/s", lambda c: round(c["tokens_per_s"], 1))]), ""]
+    for name, bench in found["benches"].items():
+        lines += [f"## Decode benchmark `{name}`", "", f"{len(bench['prompts'])} prompts × {bench['max_new_tokens']} "
+                  f"tokens, {bench['repeats']} repeats; full table in [{name}/bench_decode.md]({name}/bench_decode.md).",
+                  "", bench_table(bench), ""]
+    atomic_write_text(out / "README.md", "\n".join(lines))
+    for name in found["evals"]:
+        for f in (runs / name / "eval").iterdir():
+            if f.name in ("report.md", "results.json") or f.suffix == ".png":
+                atomic_write_bytes(out / name / f.name, f.read_bytes())
+    for name in found["benches"]:
+        for f in (runs / name).glob("bench_decode.*"):
+            atomic_write_bytes(out / name / f.name, f.read_bytes())
+    return out / "README.md"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="runs/smollm2-135m", help="the folder of the comparison's runs")
+    parser.add_argument("--out", default="docs/results/block-comparison")
+    args = parser.parse_args(argv)
+    try:
+        runs = Path(args.runs)
+        if not runs.is_dir():
+            raise SpecdrafterError(f"--runs {runs}: no such folder")
+        found = collect(runs)
+        if not (found["evals"] or found["benches"]):
+            raise SpecdrafterError(f"--runs {runs}: no evaluation (<name>/eval/results.json) or benchmark "
+                                   "(bench-*/bench_decode.json) of the comparison's drafters there yet")
+        print(f"wrote {write(found, runs, Path(args.out))}")
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
