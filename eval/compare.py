@@ -4,7 +4,7 @@ those numbers.
 
     python -m specdrafter.eval.compare --runs runs/smollm2-135m --out docs/results/block-comparison
 
-Reads, for each drafter of DRAFTERS that is there, <runs>/<name>/eval/results.json (the eval job's) and the newest
+Reads, for each run of RUNS that is there, <runs>/<name>/eval/results.json (the eval job's) and the newest
 <runs>/<name>/checkpoints/*/trainer_state.json (target tokens and the seconds of the optimizer steps), and every
 <runs>/bench-*/bench_decode.json. Writes <out>/README.md and copies beside it each evaluation's report.md, results.json
 and plots (<out>/<name>/) and each benchmark's bench_decode.{md,json,png} (<out>/<bench>/). Nothing is estimated
@@ -23,9 +23,10 @@ from typing import List, Optional
 from specdrafter.core.io import SpecdrafterError, atomic_write_bytes, atomic_write_text, complete_checkpoints, first_line
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.report import cell_table, positions_label, shape_label
+from specdrafter.kinds import KINDS
 
-# run folder under --runs → how the report names it; the first is the baseline the block drafters are measured against
-DRAFTERS = {"eagle3-regen": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark", "dspark-tf": "DSpark, teacher-forced data"}
+# (run folder under --runs, what its name adds to its kind's title), as launch/block_comparison.sh names them
+RUNS = (("eagle3-regen", ""), ("dflash", ""), ("dspark", ""), ("dspark-tf", ", teacher-forced data"))
 BASELINE, CANDIDATE = "eagle3-regen", "dspark"
 TAU_RATIO, TAU_MTBENCH = 1.5, 3.0  # DSpark τ ≥ 1.5 × EAGLE-3's on every set and temperature; ≥ 3.0 on MT-Bench, T = 0
 SPEEDUP = {0.0: 2.0, 1.0: 1.6}  # bench_decode with the bf16 target, over target-only: T → the goal
@@ -54,21 +55,30 @@ def training_cost(run: Path) -> Optional[dict]:
     state = read_json(done[-1] / "trainer_state.json")
     if not state.get("seconds"):
         return None  # a checkpoint from before the loop recorded its time
-    return {"step": state["step"], "tokens": state["tokens"], "seconds": state["seconds"],
+    return {"drafter": state.get("drafter"), "step": state["step"], "tokens": state["tokens"], "seconds": state["seconds"],
             "tokens_per_s": state["tokens"] / state["seconds"]}
 
 
 def collect(runs: Path) -> dict:
-    found = {"evals": {}, "training": {}, "benches": {}}
-    for name in DRAFTERS:
+    """{"evals": {run: results.json}, "training": {run: training_cost}, "benches": {bench: bench_decode.json},
+    "labels": {run: its kind's title + what the run's name adds}} of the runs there, in RUNS' order."""
+    found = {"evals": {}, "training": {}, "benches": {}, "labels": {}}
+    for name, note in RUNS:
         if (runs / name / "eval" / "results.json").is_file():
             found["evals"][name] = read_json(runs / name / "eval" / "results.json")
         cost = training_cost(runs / name)
         if cost:
             found["training"][name] = cost
+        kind = (found["evals"].get(name) or cost or {}).get("drafter")
+        if kind is not None:
+            found["labels"][name] = (KINDS[kind].card_title if kind in KINDS else kind) + note
     for path in sorted(runs.glob("bench-*/bench_decode.json")):
         found["benches"][path.parent.name] = read_json(path)
     return found
+
+
+def label(found: dict, name: str) -> str:
+    return found["labels"].get(name, name)
 
 
 def _cell(cells: List[dict], set_name: str, t: float) -> Optional[dict]:
@@ -100,7 +110,7 @@ def goals(found: dict) -> List[dict]:
     ratios = [(c["set"], c["temperature"], c["tau"] / b["tau"]) for c in cand
               if (b := _cell(base, c["set"], c["temperature"])) and b["tau"]]
     worst = min(ratios, key=lambda r: r[2]) if ratios else None
-    rows.append({"id": "tau_ratio", "goal": f"DSpark τ ≥ {TAU_RATIO}× {DRAFTERS[BASELINE]}'s (chain, same data), every "
+    rows.append({"id": "tau_ratio", "goal": f"DSpark τ ≥ {TAU_RATIO}× {label(found, BASELINE)}'s (chain, same data), every "
                  "set, T 0 and 1",
                  "measured": (f"{statistics.mean(r[2] for r in ratios):.2f}× on average over {len(ratios)} cells; "
                               f"lowest {worst[2]:.2f}× ({worst[0]}, T = {worst[1]:g})") if ratios else "",
@@ -125,24 +135,24 @@ def goals(found: dict) -> List[dict]:
     cost = found["training"]
     if BASELINE in cost and CANDIDATE in cost:
         a, b = cost[CANDIDATE]["tokens_per_s"], cost[BASELINE]["tokens_per_s"]
-        measured = (f"DSpark {a:.0f}, {DRAFTERS[BASELINE]} {b:.0f} target tokens/s of training: DSpark {a / b:.2f}× "
+        measured = (f"DSpark {a:.0f}, {label(found, BASELINE)} {b:.0f} target tokens/s of training: DSpark {a / b:.2f}× "
                     "as fast")
     else:
         measured = ""
-    rows.append({"id": "training_cost", "goal": f"training cost per target token, DSpark vs {DRAFTERS[BASELINE]}, same run",
+    rows.append({"id": "training_cost", "goal": f"training cost per target token, DSpark vs {label(found, BASELINE)}, same run",
                  "measured": measured, "verdict": "reported" if measured else "not measured"})
     return rows
 
 
 def tau_table(found: dict) -> str:
-    names = [n for n in DRAFTERS if n in found["evals"]]
+    names = list(found["evals"])
     cells = {n: main_cells(found["evals"][n]) for n in names}
     keys = list(dict.fromkeys((c["set"], c["temperature"]) for n in names for c in cells[n]))
     columns = [("set", lambda r: r["set"]), ("T", lambda r: r["t"])]
     for n in names:
-        columns.append((f"{DRAFTERS[n]} τ (α, k)", lambda r, n=n: _tau_alpha(r[n])))
+        columns.append((f"{label(found, n)} τ (α, k)", lambda r, n=n: _tau_alpha(r[n])))
     if BASELINE in names and CANDIDATE in names:
-        columns.append((f"DSpark ÷ {DRAFTERS[BASELINE]} τ", lambda r: f"{r[CANDIDATE]['tau'] / r[BASELINE]['tau']:.2f}×"
+        columns.append((f"DSpark ÷ {label(found, BASELINE)} τ", lambda r: f"{r[CANDIDATE]['tau'] / r[BASELINE]['tau']:.2f}×"
                         if r[CANDIDATE] and r[BASELINE] else ""))
     rows = [{"set": s, "t": t, **{n: _cell(cells[n], s, t) for n in names}} for s, t in keys]
     return cell_table(rows, columns)
@@ -154,7 +164,7 @@ def _tau_alpha(c: Optional[dict]) -> str:
 
 def speedup_table(found: dict) -> str:
     """Each evaluation's own speedups (the eval job's, one thread beside a training on the other core)."""
-    rows = [{"drafter": DRAFTERS[n], **c} for n in DRAFTERS if n in found["evals"] for c in main_cells(found["evals"][n])]
+    rows = [{"drafter": label(found, n), **c} for n in found["evals"] for c in main_cells(found["evals"][n])]
     return cell_table(rows, [("drafter", "drafter"), ("set", "set"), ("T", "temperature"), ("τ", "tau"),
                          ("tok/s", "tokens_per_s"), ("speedup", lambda c: _speedup(c)), ("c", "c"),
                          ("predicted", "predicted_speedup")])
@@ -166,7 +176,7 @@ def _speedup(c: dict) -> str:
 
 
 def positions_table(found: dict) -> str:
-    rows = [{"drafter": DRAFTERS[n], **c} for n in DRAFTERS if n in found["evals"] for c in main_cells(found["evals"][n])
+    rows = [{"drafter": label(found, n), **c} for n in found["evals"] for c in main_cells(found["evals"][n])
             if c["set"] == "mtbench"]
     return cell_table(rows, [("drafter", "drafter"), ("T", "temperature"),
                              ("acceptance at draft j, given 1..j−1 accepted [cycles]", positions_label)])
@@ -190,7 +200,7 @@ def write(found: dict, runs: Path, out: Path) -> Path:
                   "The eval job's own speedups (each evaluation on one thread, possibly beside a training on the other "
                   "core; the quiet benchmarks below are the speed numbers):", "", speedup_table(found), ""]
     if found["training"]:
-        lines += ["## Training", "", cell_table([{"drafter": DRAFTERS[n], **c} for n, c in found["training"].items()], [
+        lines += ["## Training", "", cell_table([{"drafter": label(found, n), **c} for n, c in found["training"].items()], [
             ("drafter", "drafter"), ("steps", "step"), ("target tokens", "tokens"), ("seconds of steps", "seconds"),
             ("tokens/s", lambda c: round(c["tokens_per_s"], 1))]), ""]
     for name, bench in found["benches"].items():
