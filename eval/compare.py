@@ -2,9 +2,11 @@
 evaluated by the eval job and benchmarked side by side by bench_decode, and the block drafters' goals checked against
 those numbers.
 
-    python -m specdrafter.eval.compare --runs runs/smollm2-135m --out docs/results/block-comparison
+    python -m specdrafter.eval.compare --runs runs/smollm2-135m --drafters eagle3-regen dflash dspark dspark-tf \
+        --baseline eagle3-regen --candidate dspark --out docs/results/block-comparison
 
-Reads, for each run of RUNS that is there, <runs>/<name>/eval/results.json (the eval job's) and the newest
+The goals are the candidate's (a block drafter) against the baseline's (EAGLE-3 on the same data). Reads, for each
+run folder of --drafters that is there, <runs>/<name>/eval/results.json (the eval job's) and the newest
 <runs>/<name>/checkpoints/*/trainer_state.json (target tokens and the seconds of the optimizer steps), and every
 <runs>/bench-*/bench_decode.json. Writes <out>/README.md and copies beside it each evaluation's report.md, results.json
 and plots (<out>/<name>/) and each benchmark's bench_decode.{md,json,png} (<out>/<bench>/). Nothing is estimated
@@ -20,17 +22,24 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from specdrafter.core.io import SpecdrafterError, atomic_write_bytes, atomic_write_text, complete_checkpoints, first_line
+from specdrafter.core.io import (
+    SpecdrafterError,
+    atomic_write_bytes,
+    atomic_write_text,
+    complete_checkpoints,
+    first_line,
+    read_checkpoint_state,
+)
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.report import cell_table, positions_label, shape_label
 from specdrafter.kinds import KINDS
 
-# (run folder under --runs, what its name adds to its kind's title), as launch/block_comparison.sh names them
-RUNS = (("eagle3-regen", ""), ("dflash", ""), ("dspark", ""), ("dspark-tf", ", teacher-forced data"))
-BASELINE, CANDIDATE = "eagle3-regen", "dspark"
 TAU_RATIO, TAU_MTBENCH = 1.5, 3.0  # DSpark τ ≥ 1.5 × EAGLE-3's on every set and temperature; ≥ 3.0 on MT-Bench, T = 0
 SPEEDUP = {0.0: 2.0, 1.0: 1.6}  # bench_decode with the bf16 target, over target-only: T → the goal
 ASD_GAIN = 0.07  # ASD over strict on the same DSpark drafter, T = 0: tokens/s
+# the benchmarks launch/block_comparison.sh runs: each drafter at its auto k (fp32 and bf16 targets), and
+# bench-<candidate>: the candidate fixed, confidence-sized and under ASD
+AUTO_K, AUTO_K_BF16 = "bench-block-auto", "bench-block-auto-bf16"
 
 
 def read_json(path: Path) -> dict:
@@ -52,18 +61,18 @@ def training_cost(run: Path) -> Optional[dict]:
     done = complete_checkpoints(run / "checkpoints") if (run / "checkpoints").is_dir() else []
     if not done:
         return None
-    state = read_json(done[-1] / "trainer_state.json")
+    state = read_checkpoint_state(done[-1], only=())  # the state's own checksum; the weights are not read
     if not state.get("seconds"):
         return None  # a checkpoint from before the loop recorded its time
     return {"drafter": state.get("drafter"), "step": state["step"], "tokens": state["tokens"], "seconds": state["seconds"],
             "tokens_per_s": state["tokens"] / state["seconds"]}
 
 
-def collect(runs: Path) -> dict:
+def collect(runs: Path, names: List[str], baseline: str, candidate: str) -> dict:
     """{"evals": {run: results.json}, "training": {run: training_cost}, "benches": {bench: bench_decode.json},
-    "labels": {run: its kind's title + what the run's name adds}} of the runs there, in RUNS' order."""
-    found = {"evals": {}, "training": {}, "benches": {}, "labels": {}}
-    for name, note in RUNS:
+    "kinds": {run: kind}, "baseline", "candidate"} of the run folders `names` that are there, in that order."""
+    found = {"evals": {}, "training": {}, "benches": {}, "kinds": {}, "baseline": baseline, "candidate": candidate}
+    for name in names:
         if (runs / name / "eval" / "results.json").is_file():
             found["evals"][name] = read_json(runs / name / "eval" / "results.json")
         cost = training_cost(runs / name)
@@ -71,14 +80,19 @@ def collect(runs: Path) -> dict:
             found["training"][name] = cost
         kind = (found["evals"].get(name) or cost or {}).get("drafter")
         if kind is not None:
-            found["labels"][name] = (KINDS[kind].card_title if kind in KINDS else kind) + note
+            found["kinds"][name] = kind
     for path in sorted(runs.glob("bench-*/bench_decode.json")):
         found["benches"][path.parent.name] = read_json(path)
     return found
 
 
 def label(found: dict, name: str) -> str:
-    return found["labels"].get(name, name)
+    """A run as the report names it: its kind's title, and the run folder's name where that is not the kind's."""
+    kind = found["kinds"].get(name)
+    if kind is None:
+        return name
+    title = KINDS[kind].card_title if kind in KINDS else kind
+    return title if name == kind else f"{title} ({name})"
 
 
 def _cell(cells: List[dict], set_name: str, t: float) -> Optional[dict]:
@@ -105,41 +119,42 @@ def _verdict(value: Optional[float], goal: float, unit: str = "") -> str:
 
 def goals(found: dict) -> List[dict]:
     """One row per goal: its id, what it asks, what was measured, and whether it was met."""
-    rows = []
-    base, cand = (main_cells(found["evals"][n]) if n in found["evals"] else [] for n in (BASELINE, CANDIDATE))
+    rows, baseline, candidate = [], found["baseline"], found["candidate"]
+    them, us = label(found, baseline), label(found, candidate)
+    arm = found["kinds"].get(candidate, candidate)  # bench_decode names its arms <kind>_chain, <kind>_asd, ...
+    base, cand = (main_cells(found["evals"][n]) if n in found["evals"] else [] for n in (baseline, candidate))
     ratios = [(c["set"], c["temperature"], c["tau"] / b["tau"]) for c in cand
               if (b := _cell(base, c["set"], c["temperature"])) and b["tau"]]
     worst = min(ratios, key=lambda r: r[2]) if ratios else None
-    rows.append({"id": "tau_ratio", "goal": f"DSpark τ ≥ {TAU_RATIO}× {label(found, BASELINE)}'s (chain, same data), every "
+    rows.append({"id": "tau_ratio", "goal": f"{us} τ ≥ {TAU_RATIO}× {them}'s (chain, same data), every "
                  "set, T 0 and 1",
                  "measured": (f"{statistics.mean(r[2] for r in ratios):.2f}× on average over {len(ratios)} cells; "
                               f"lowest {worst[2]:.2f}× ({worst[0]}, T = {worst[1]:g})") if ratios else "",
                  "verdict": _verdict(worst[2] if worst else None, TAU_RATIO, "×")})
     mt = _cell(cand, "mtbench", 0.0)
-    rows.append({"id": "tau_mtbench", "goal": f"DSpark τ ≥ {TAU_MTBENCH} on MT-Bench, T = 0",
+    rows.append({"id": "tau_mtbench", "goal": f"{us} τ ≥ {TAU_MTBENCH} on MT-Bench, T = 0",
                  "measured": f"τ {mt['tau']:.2f}" if mt else "", "verdict": _verdict(mt["tau"] if mt else None, TAU_MTBENCH)})
-    bf16, fp32 = (found["benches"].get(f"bench-block-auto{suffix}") for suffix in ("-bf16", ""))
+    bf16, fp32 = (found["benches"].get(name) for name in (AUTO_K_BF16, AUTO_K))
     for t, goal in SPEEDUP.items():
-        r, r32 = _bench_row(bf16, "dspark_chain", t), _bench_row(fp32, "dspark_chain", t)
+        r, r32 = _bench_row(bf16, f"{arm}_chain", t), _bench_row(fp32, f"{arm}_chain", t)
         measured = [f"{_bench_speedup(r)} with the bf16 target"] if r else []
         measured += [f"{_bench_speedup(r32)} with the fp32 target (the faster dtype on a CPU without native bf16)"] if r32 else []
-        rows.append({"id": f"bench_t{t:g}", "goal": f"bench_decode, bf16 target, T = {t:g}: DSpark ≥ {goal}× over "
+        rows.append({"id": f"bench_t{t:g}", "goal": f"bench_decode, bf16 target, T = {t:g}: {us} ≥ {goal}× over "
                      "target-only", "measured": "; ".join(measured),
                      "verdict": _verdict(r["speedup"] if r else None, goal, "×")})
-    asd = _bench_row(found["benches"].get("bench-dspark"), "dspark_asd", 0.0)
-    rows.append({"id": "asd", "goal": f"ASD over strict on the same DSpark drafter, T = 0: ≥ +{ASD_GAIN:.0%} tokens/s",
+    asd = _bench_row(found["benches"].get(f"bench-{candidate}"), f"{arm}_asd", 0.0)
+    rows.append({"id": "asd", "goal": f"ASD over strict on the same {us}, T = 0: ≥ +{ASD_GAIN:.0%} tokens/s",
                  "measured": (f"{asd['vs_strict']:+.1%}{_spread(asd.get('vs_strict_spread'))}; regret/prompt "
                               f"{asd['asd_regret_per_prompt']}, outputs differing from strict {asd['outputs_differing']}")
                  if asd and "vs_strict" in asd else "",
                  "verdict": _verdict(asd["vs_strict"] if asd and "vs_strict" in asd else None, ASD_GAIN)})
     cost = found["training"]
-    if BASELINE in cost and CANDIDATE in cost:
-        a, b = cost[CANDIDATE]["tokens_per_s"], cost[BASELINE]["tokens_per_s"]
-        measured = (f"DSpark {a:.0f}, {label(found, BASELINE)} {b:.0f} target tokens/s of training: DSpark {a / b:.2f}× "
-                    "as fast")
+    if baseline in cost and candidate in cost:
+        a, b = cost[candidate]["tokens_per_s"], cost[baseline]["tokens_per_s"]
+        measured = f"{us} {a:.0f}, {them} {b:.0f} target tokens/s of training: {a / b:.2f}× as fast"
     else:
         measured = ""
-    rows.append({"id": "training_cost", "goal": f"training cost per target token, DSpark vs {label(found, BASELINE)}, same run",
+    rows.append({"id": "training_cost", "goal": f"training cost per target token, {us} vs {them}, same run",
                  "measured": measured, "verdict": "reported" if measured else "not measured"})
     return rows
 
@@ -151,9 +166,10 @@ def tau_table(found: dict) -> str:
     columns = [("set", lambda r: r["set"]), ("T", lambda r: r["t"])]
     for n in names:
         columns.append((f"{label(found, n)} τ (α, k)", lambda r, n=n: _tau_alpha(r[n])))
-    if BASELINE in names and CANDIDATE in names:
-        columns.append((f"DSpark ÷ {label(found, BASELINE)} τ", lambda r: f"{r[CANDIDATE]['tau'] / r[BASELINE]['tau']:.2f}×"
-                        if r[CANDIDATE] and r[BASELINE] else ""))
+    b, c = found["baseline"], found["candidate"]
+    if b in names and c in names:
+        columns.append((f"{label(found, c)} ÷ {label(found, b)} τ",
+                        lambda r: f"{r[c]['tau'] / r[b]['tau']:.2f}×" if r[c] and r[b] else ""))
     rows = [{"set": s, "t": t, **{n: _cell(cells[n], s, t) for n in names}} for s, t in keys]
     return cell_table(rows, columns)
 
@@ -189,9 +205,9 @@ def bench_table(bench: dict) -> str:
 
 
 def write(found: dict, runs: Path, out: Path) -> Path:
-    lines = ["# Block drafters against EAGLE-3 on the same regenerated data", "",
-             "Made by `launch/block_comparison.sh` and `python -m specdrafter.eval.compare --runs "
-             f"{runs} --out {out}` from the runs' own reports (copied beside this file).", "",
+    lines = [f"# {label(found, found['candidate'])} against {label(found, found['baseline'])}, trained on the same data",
+             "", "Made by `launch/block_comparison.sh` (`python -m specdrafter.eval.compare`) from the reports of the "
+             f"runs in `{runs}`, copied beside this file.", "",
              "## Goals", "", cell_table(goals(found), [("goal", "goal"), ("measured", "measured"), ("", "verdict")]), ""]
     if found["evals"]:
         lines += ["## Acceptance (eval job)", "", "τ = tokens per target pass (bonus included), α = accepted ÷ drafted, "
@@ -221,13 +237,19 @@ def write(found: dict, runs: Path, out: Path) -> Path:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs/smollm2-135m", help="the folder of the comparison's runs")
+    parser.add_argument("--drafters", nargs="+", required=True, help="run folders under --runs, in the report's order")
+    parser.add_argument("--baseline", required=True, help="the run the goals measure the candidate against")
+    parser.add_argument("--candidate", required=True, help="the run whose goals the report checks")
     parser.add_argument("--out", default="docs/results/block-comparison")
     args = parser.parse_args(argv)
     try:
         runs = Path(args.runs)
         if not runs.is_dir():
             raise SpecdrafterError(f"--runs {runs}: no such folder")
-        found = collect(runs)
+        for flag in ("baseline", "candidate"):
+            if getattr(args, flag) not in args.drafters:
+                raise SpecdrafterError(f"--{flag} {getattr(args, flag)} is not one of --drafters {' '.join(args.drafters)}")
+        found = collect(runs, args.drafters, args.baseline, args.candidate)
         if not (found["evals"] or found["benches"]):
             raise SpecdrafterError(f"--runs {runs}: no evaluation (<name>/eval/results.json) or benchmark "
                                    "(bench-*/bench_decode.json) of the comparison's drafters there yet")

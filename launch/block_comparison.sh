@@ -85,6 +85,7 @@ fi
 
 if wants report; then
   say "report → docs/results/block-comparison/README.md"
-  python -m specdrafter.eval.compare --runs $runs --out docs/results/block-comparison
+  python -m specdrafter.eval.compare --runs $runs --drafters eagle3-regen dflash dspark dspark-tf \
+    --baseline eagle3-regen --candidate dspark --out docs/results/block-comparison
 fi
 say "done"

@@ -389,16 +389,16 @@ def test_a_dspark_checkpoint_through_the_eval_job_and_the_benchmark(dspark_runs)
     assert all(1 <= r["mean_drafted"] <= 3 for r in rows if r["arm"] != "target")
 
 
-def test_the_comparison_report_checks_each_goal_against_the_runs_reports(dspark_runs, tiny_target, tmp_path, monkeypatch):
+def test_the_comparison_report_checks_each_goal_against_the_runs_reports(dspark_runs, tiny_target, tmp_path):
     """eval/compare.py: the goals table from the runs' own reports: τ ratios from both evaluations (DFlash as the
     baseline here), DSpark's MT-Bench τ, ASD over strict from the benchmark, the training cost from trainer_state;
     a goal without its run says "not measured"; the reports are copied beside the README."""
     from specdrafter.eval import compare
     block_run(dspark_runs, tiny_target, "dflash")
-    monkeypatch.setattr(compare, "BASELINE", "dflash")
     out = tmp_path / "report"
-    compare.main(["--runs", str(dspark_runs), "--out", str(out)])
-    found = compare.collect(dspark_runs)
+    compare.main(["--runs", str(dspark_runs), "--drafters", "dflash", "dspark", "--baseline", "dflash",
+                  "--candidate", "dspark", "--out", str(out)])
+    found = compare.collect(dspark_runs, ["dflash", "dspark"], "dflash", "dspark")
     goals = {g["id"]: g for g in compare.goals(found)}
     dspark, dflash = (compare.main_cells(found["evals"][n]) for n in ("dspark", "dflash"))
     ratios = [c["tau"] / b["tau"] for c in dspark for b in dflash if (b["set"], b["temperature"]) == (c["set"], c["temperature"])]
@@ -414,11 +414,12 @@ def test_the_comparison_report_checks_each_goal_against_the_runs_reports(dspark_
     assert goals["bench_t0"]["verdict"] == goals["bench_t1"]["verdict"] == "not measured"
     assert goals["training_cost"]["measured"].endswith("1.00× as fast")
     readme = (out / "README.md").read_text()
-    assert "| mtbench | 0 |" in readme and "DSpark ÷ DFlash block drafter τ" in readme
+    assert "| mtbench | 0 |" in readme and "DSpark block drafter ÷ DFlash block drafter τ" in readme
     assert "## Decode benchmark `bench-dspark`" in readme
     assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} >= {
         "README.md", "dspark/report.md", "dspark/results.json", "dflash/report.md", "bench-dspark/bench_decode.md",
         "bench-dspark/bench_decode.json"}
-    done = subprocess.run([sys.executable, "-m", "specdrafter.eval.compare", "--runs", str(tmp_path / "none")],
+    done = subprocess.run([sys.executable, "-m", "specdrafter.eval.compare", "--runs", str(tmp_path / "none"),
+                           "--drafters", "dspark", "--baseline", "dspark", "--candidate", "dspark"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.strip() == f"error: --runs {tmp_path / 'none'}: no such folder"
