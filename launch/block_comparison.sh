@@ -5,16 +5,17 @@
 #   nohup bash launch/block_comparison.sh > runs/block-comparison.log 2>&1 &
 # Steps, one thread per process (one torch process per core is what this CPU does best):
 #   data   the regenerated set, two workers sharing its shards
-#   train  core A: DSpark, then DFlash; core B: EAGLE-3 (4 TTT steps), all on the same set, offline features
-#   eval   each drafter as soon as its core is free: MT-Bench, GSM8K, HumanEval; T 0 and 1; 8 prompts × 128 tokens
+#   train  all on the same set, offline features; core A: DSpark, then DFlash; core B: EAGLE-3 (4 TTT steps)
+#   eval   each drafter right after its training: MT-Bench, GSM8K, HumanEval; T 0 and 1; 8 prompts × 128 tokens
+#   tf     core B, after EAGLE-3: DSpark on the teacher-forced set at the regenerated set's target tokens (online),
+#          and its evaluation
 #   bench  the quiet side-by-side decode benchmark of the three, both cores (run nothing else meanwhile)
-#   tf     DSpark on the teacher-forced set at the regenerated set's target tokens (online), and its evaluation
 #   report docs/results/block-comparison: the goals table, from the reports above
 # STEPS="eval bench" bash launch/block_comparison.sh runs only those steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=runs/smollm2-135m
-steps=${STEPS:-"data train eval bench tf report"}
+steps=${STEPS:-"data train eval tf bench report"}
 say() { echo "[$(date -u +%H:%M:%S)] $*"; }
 wants() { [[ " $steps " == *" $1 "* ]]; }
 
@@ -43,15 +44,25 @@ evaluate() {  # evaluate NAME: $runs/NAME/drafter → $runs/NAME/eval/report.md
     "eval.sets=$sets" eval.num_prompts=8 eval.max_new_tokens=128 "eval.temperatures=[0,1]" "eval.k_sweep=$sweep" \
     eval.repeats=1 > "$runs/eval-$name.log" 2>&1
 }
+tf() {  # the same drafter on ShareGPT's own answers, teacher-forced, as many target tokens as the regenerated set
+  local tokens
+  tokens=$(python -c "import json; print(json.load(open('$runs/data-regen/stats.json'))['response_tokens'])")
+  train train_block.py dspark-tf output_dir=$runs/dspark-tf train.data_dir=$runs/data-tf \
+    train.data_recipe=smollm2-135m-data-tf.yaml train.features=online train.data_tokens=$tokens
+  evaluate dspark-tf
+}
 core_a() {
-  if wants train; then train train_block.py dspark; train train_block.py dflash; fi
-  if wants eval; then evaluate dspark; evaluate dflash; fi
+  if wants train; then train train_block.py dspark; fi
+  if wants eval; then evaluate dspark; fi
+  if wants train; then train train_block.py dflash; fi
+  if wants eval; then evaluate dflash; fi
 }
 core_b() {
   if wants train; then train train_eagle.py eagle3-regen; fi
   if wants eval; then evaluate eagle3-regen; fi
+  if wants tf; then tf; fi
 }
-if wants train || wants eval; then
+if wants train || wants eval || wants tf; then
   export OMP_NUM_THREADS=1
   core_a & a=$!
   core_b & b=$!
@@ -74,13 +85,6 @@ if wants bench; then
   bench bench-block-auto float32 inference.k=auto -- eagle3_chain dflash_chain dspark_chain
   bench bench-dspark float32 inference.k=7 -- dspark_chain dspark_confidence dspark_asd
   bench bench-block-auto-bf16 bfloat16 inference.k=auto -- eagle3_chain dflash_chain dspark_chain
-fi
-
-if wants tf; then  # the same drafter on ShareGPT's own answers, teacher-forced, as many target tokens as the regenerated set
-  tokens=$(python -c "import json; print(json.load(open('$runs/data-regen/stats.json'))['response_tokens'])")
-  train train_block.py dspark-tf output_dir=$runs/dspark-tf train.data_dir=$runs/data-tf \
-    train.data_recipe=smollm2-135m-data-tf.yaml train.features=online train.data_tokens=$tokens
-  evaluate dspark-tf
 fi
 
 if wants report; then
