@@ -7,10 +7,10 @@ those numbers.
 
 The goals are the candidate's (a block drafter) against the baseline's (EAGLE-3 on the same data). Reads, for each
 run folder of --drafters that is there, <runs>/<name>/eval/results.json (the eval job's) and the newest
-<runs>/<name>/checkpoints/*/trainer_state.json (target tokens and the seconds of the optimizer steps), and every
-<runs>/bench-*/bench_decode.json. Writes <out>/README.md and copies beside it each evaluation's report.md, results.json
-and plots (<out>/<name>/) and each benchmark's bench_decode.{md,json,png} (<out>/<bench>/). Nothing is estimated
-here: a goal whose numbers are missing says "not measured".
+<runs>/<name>/checkpoints/*/trainer_state.json (the tokens trained on, prompts and answers, and the seconds of the
+optimizer steps), and every <runs>/bench-*/bench_decode.json. Writes <out>/README.md and copies beside it each
+evaluation's report.md, results.json and plots (<out>/<name>/) and each benchmark's bench_decode.{md,json,png}
+(<out>/<bench>/). Nothing is estimated here: a goal whose numbers are missing says "not measured".
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main_cells(results: dict) -> List[dict]:
 
 
 def training_cost(run: Path) -> Optional[dict]:
-    """Target tokens per second of a training run's optimizer steps (its newest checkpoint), or None."""
+    """Tokens (prompts and answers) per second of a training run's optimizer steps (its newest checkpoint), or None."""
     done = complete_checkpoints(run / "checkpoints") if (run / "checkpoints").is_dir() else []
     if not done:
         return None
@@ -151,7 +151,8 @@ def goals(found: dict) -> List[dict]:
     cost = found["training"]
     if baseline in cost and candidate in cost:
         a, b = cost[candidate]["tokens_per_s"], cost[baseline]["tokens_per_s"]
-        measured = f"{us} {a:.0f}, {them} {b:.0f} target tokens/s of training: {a / b:.2f}× as fast"
+        measured = (f"{us} {a:.0f}, {them} {b:.0f} tokens/s of training (prompts and answers of the same conversations, so "
+                    f"the ratio is the one per target token): {a / b:.2f}× as fast")
     else:
         measured = ""
     rows.append({"id": "training_cost", "goal": f"training cost per target token, {us} vs {them}, same run",
@@ -217,7 +218,8 @@ def write(found: dict, runs: Path, out: Path) -> Path:
                   "core; the quiet benchmarks below are the speed numbers):", "", speedup_table(found), ""]
     if found["training"]:
         lines += ["## Training", "", cell_table([{"drafter": label(found, n), **c} for n, c in found["training"].items()], [
-            ("drafter", "drafter"), ("steps", "step"), ("target tokens", "tokens"), ("seconds of steps", "seconds"),
+            ("drafter", "drafter"), ("steps", "step"), ("tokens (prompts and answers)", "tokens"),
+            ("seconds of steps", "seconds"),
             ("tokens/s", lambda c: round(c["tokens_per_s"], 1))]), ""]
     for name, bench in found["benches"].items():
         lines += [f"## Decode benchmark `{name}`", "", f"{len(bench['prompts'])} prompts × {bench['max_new_tokens']} "

@@ -344,7 +344,7 @@ def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
 
 def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
     """runs/<variant>/ as the comparison's training leaves it: a tiny block drafter's checkpoint, its trainer_state
-    with target tokens and seconds, then its evaluation (eval/results.json) by the eval job. Returns the checkpoint."""
+    with its tokens and seconds, then its evaluation (eval/results.json) by the eval job. Returns the checkpoint."""
     from specdrafter.models.block import BlockDrafter, block_config, save_block_drafter
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     torch.manual_seed(0)

@@ -204,7 +204,7 @@ def _flatten(d, prefix=""):
 @dataclass
 class Progress:
     step: int = 0  # optimizer steps taken
-    tokens: int = 0  # target tokens seen by this rank
+    tokens: int = 0  # tokens of this rank's batches, prompts and answers alike (attention_mask), padding excluded
     seconds: float = 0.0  # wall-clock time of this rank's optimizer steps, summed over resumptions (not evals or saves)
     last_metrics: Optional[Dict[str, float]] = None
 
