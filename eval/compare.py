@@ -211,13 +211,14 @@ def write(found: dict, runs: Path, out: Path) -> Path:
              f"runs in `{runs}`, copied beside this file.", "",
              "## Goals", "", cell_table(goals(found), [("goal", "goal"), ("measured", "measured"), ("", "verdict")]), ""]
     if found["evals"]:
-        lines += ["## Acceptance (eval job)", "", "τ = tokens per target pass (bonus included), α = accepted ÷ drafted, "
-                  "at each recipe's k; chain verification.", "", tau_table(found), "",
+        lines += ["## Acceptance (eval job)", "", "τ = tokens per target pass (bonus included), α = accepted drafts ÷ "
+                  "draft positions tried (a chain tries a position only while every draft before it was accepted), at "
+                  "each recipe's k; chain verification.", "", tau_table(found), "",
                   "Per position on MT-Bench:", "", positions_table(found), "",
                   "The eval job's own speedups (each evaluation on one thread, possibly beside a training on the other "
                   "core; the quiet benchmarks below are the speed numbers):", "", speedup_table(found), ""]
     if found["training"]:
-        lines += ["## Training", "", cell_table([{"drafter": label(found, n), **c} for n, c in found["training"].items()], [
+        lines += ["## Training", "", cell_table([{**c, "drafter": label(found, n)} for n, c in found["training"].items()], [
             ("drafter", "drafter"), ("steps", "step"), ("tokens (prompts and answers)", "tokens"),
             ("seconds of steps", "seconds"),
             ("tokens/s", lambda c: round(c["tokens_per_s"], 1))]), ""]

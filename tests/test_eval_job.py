@@ -416,6 +416,8 @@ def test_the_comparison_report_checks_each_goal_against_the_runs_reports(dspark_
     readme = (out / "README.md").read_text()
     assert "| mtbench | 0 |" in readme and "DSpark block drafter ÷ DFlash block drafter τ" in readme
     assert "## Decode benchmark `bench-dspark`" in readme
+    training = readme[readme.index("## Training"):].split("\n\n")[1]
+    assert [row.split(" | ")[0] for row in training.splitlines()[2:]] == ["| DFlash block drafter", "| DSpark block drafter"]
     assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} >= {
         "README.md", "dspark/report.md", "dspark/results.json", "dflash/report.md", "bench-dspark/bench_decode.md",
         "bench-dspark/bench_decode.json"}
