@@ -53,6 +53,7 @@ class BlockProposer:
         self.feature_layers = drafter.feature_layers
         self.tuner = length  # Decoder.calibrate measures its v(n) before any request is timed
         self.vocab_size = target.config.vocab_size
+        self.head = drafter.draft_head(target)  # the lm_head rows of the draft vocabulary, gathered once
         self.reset()
 
     def reset(self) -> None:
@@ -72,7 +73,7 @@ class BlockProposer:
         start = time.perf_counter()
         d = self.drafter
         anchor = torch.tensor([committed[-1]], device=d.d2t.device)
-        block = d.draft_block(self.cache, anchor, self.target)  # logits [1, γ, Vd], hidden [1, γ, d]
+        block = d.draft_block(self.cache, anchor, self.target, self.head)  # logits [1, γ, Vd], hidden [1, γ, d]
         draft_ids = d.draft_ids
         prev, indices, rows, confidences = anchor, [], [], []
         for j in range(min(k, d.num_drafts)):

@@ -365,13 +365,21 @@ class BlockDrafter(nn.Module):
     def _embed(self, ids: torch.Tensor, target: nn.Module) -> torch.Tensor:
         return target.get_input_embeddings()(ids).to(self.fc.weight.dtype)  # [..., d]
 
-    def _drafts(self, hidden: torch.Tensor, target: nn.Module) -> BlockDrafts:
-        """The backbone's drafts from the final hidden states of whole blocks [..., S, d]."""
-        hidden = hidden[..., self._first_slot:, :]  # [..., γ, d]
+    def draft_head(self, target: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The target's lm_head over the draft vocabulary, (weight [Vd, d], bias [Vd] or None): its own tensors for
+        the full vocabulary, else a copy of its rows — which decoding takes once (inference/block.py), not per block:
+        gathering 8,192 rows of SmolLM2's lm_head costs a tenth of a target step on a CPU."""
         lm_head = target.get_output_embeddings()
-        full = len(self.d2t) == self.config.vocab_size
-        weight = lm_head.weight if full else lm_head.weight[self.draft_ids]  # [Vd, d]
-        bias = lm_head.bias if full or lm_head.bias is None else lm_head.bias[self.draft_ids]
+        if len(self.d2t) == self.config.vocab_size:
+            return lm_head.weight, lm_head.bias
+        ids = self.draft_ids
+        return lm_head.weight[ids], None if lm_head.bias is None else lm_head.bias[ids]
+
+    def _drafts(self, hidden: torch.Tensor, target: nn.Module, head: Optional[Tuple] = None) -> BlockDrafts:
+        """The backbone's drafts from the final hidden states of whole blocks [..., S, d] (head: `draft_head`'s, or
+        taken from the target now)."""
+        hidden = hidden[..., self._first_slot:, :]  # [..., γ, d]
+        weight, bias = head if head is not None else self.draft_head(target)  # [Vd, d], [Vd] or None
         return BlockDrafts(F.linear(hidden.to(weight.dtype), weight, bias), hidden)  # logits [..., γ, Vd]
 
     def backbone(self, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor, target: nn.Module,
@@ -443,16 +451,18 @@ class BlockDrafter(nn.Module):
             cache.keys[layer] = torch.cat([cache.keys[layer], k], dim=2)  # [B, kvh, T + n, hd]
             cache.values[layer] = torch.cat([cache.values[layer], v], dim=2)
 
-    def draft_block(self, cache: ContextCache, anchor_ids: torch.Tensor, target: nn.Module) -> BlockDrafts:
+    def draft_block(self, cache: ContextCache, anchor_ids: torch.Tensor, target: nn.Module,
+                    head: Optional[Tuple] = None) -> BlockDrafts:
         """One block at the position after the cached context, from anchor_ids [B] (the newest committed token, whose
-        features the target has not produced yet): the backbone's drafts [B, γ, ...]. DSpark samples draft j from
-        `heads(logits[:, j], hidden[:, j], prev)`, prev being the anchor, then the draft before."""
+        features the target has not produced yet): the backbone's drafts [B, γ, ...] (head: `draft_head(target)`,
+        taken once by a decoder). DSpark samples draft j from `heads(logits[:, j], hidden[:, j], prev)`, prev being
+        the anchor, then the draft before."""
         B, S = anchor_ids.shape[0], self.config.block_size
         ids = torch.full((B, S), self.config.mask_token_id, dtype=anchor_ids.dtype, device=anchor_ids.device)
         ids[:, 0] = anchor_ids
         positions = (cache.length + torch.arange(S, device=ids.device)).expand(B, S)  # [B, S]
         contexts = [cache.context(layer) for layer in range(len(self.layers))]
-        return self._drafts(self._layers(self._embed(ids, target), positions, contexts, None), target)
+        return self._drafts(self._layers(self._embed(ids, target), positions, contexts, None), target, head)
 
 
 # ------------------------------------------------------------------------------------------- helpers

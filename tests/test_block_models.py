@@ -207,6 +207,13 @@ def test_a_pruned_vocabulary_keeps_the_target_rows_of_its_tokens(target, batch):
     assert torch.equal(pruned.draft_ids, keep) and int(pruned.t2d.sum()) == 40 and bool(pruned.t2d[keep].all())
     a, b = run(full, target, features, tokens, anchors), run(pruned, target, features, tokens, anchors)
     torch.testing.assert_close(b.logits, a.logits[..., keep], atol=1e-6, rtol=0)
+    cache = pruned.new_cache()
+    pruned.extend_context(cache, features[:1, :5])
+    head = pruned.draft_head(target)  # the rows a decoder gathers once
+    assert head[0].shape == (40, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned.draft_block(cache, tokens[:1, 5], target, head).logits,
+                                   pruned.draft_block(cache, tokens[:1, 5], target).logits, atol=0, rtol=0)
     with pytest.raises(SpecdrafterError, match="40 increasing target ids"):
         pruned.set_draft_vocab(keep.flip(0))
 
