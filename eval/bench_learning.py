@@ -8,12 +8,20 @@ conversations (features and teacher rows, cached in --out, so the next probe on 
 once); then the recipe's drafter trains on those batches in turn with AdamW (its lr, warm-up and per-parameter lr
 scales; no decay), and every `--every` steps prints held-out α̂ and top-1 per draft position at T = 1 and τ from
 them (1 + Σ_k Π_{j≤k} α̂_j). A probe, not training: one thread, no DeepSpeed, no checkpoints — for comparing
-settings (learning rates, initialisations, objectives) on the same rows in minutes. Writes learning.json to --out.
+settings (learning rates, initialisations, objectives) on the same rows in minutes. Writes learning.json to --out;
+each curve point records `train_seconds`, the time spent in training steps so far (held-out evaluations excluded),
+so settings whose steps cost differently compare at equal training time.
+
+--swap-context: at the end, held-out α̂ once more with every held-out conversation's target features swapped for
+another's (rolled by one inside its micro-batch; where the other is shorter, its padding rows), its own tokens kept.
+A drafter that reads the context falls towards what it can do without; one that has learned little more than a
+bigram of its input tokens hardly moves. Stored as `context_swapped` beside the last point's `alpha`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -66,14 +74,20 @@ def cached_rows(cfg, target, data, drafter, batches: int, folder: Path) -> dict:
     return store
 
 
-def held_out(drafter, store: dict) -> tuple:
-    """Per prediction: (α̂, top-1) over the held-out rows at T = 1, with fixed anchors."""
+def swapped_context(rows):
+    """The target's rows with each conversation's features replaced by the next one's in the micro-batch."""
+    return dataclasses.replace(rows, features={k: v.roll(1, dims=0) for k, v in rows.features.items()})
+
+
+def held_out(drafter, store: dict, swap: bool = False) -> tuple:
+    """Per prediction: (α̂, top-1) over the held-out rows at T = 1, with fixed anchors (swap: `swapped_context`)."""
     drafter.module.eval()
     state = torch.get_rng_state()
     torch.manual_seed(1234)
     total = None
     with torch.no_grad():
         for batch, rows in store["held"]:
+            rows = swapped_context(rows) if swap else rows
             sums = torch.stack([acceptance_sums(p, 1.0) for p in drafter.predictions(drafter.module, batch, rows)])
             total = sums if total is None else total + sums
     torch.set_rng_state(state)
@@ -111,6 +125,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=positive, default=150)
     parser.add_argument("--every", type=positive, default=50)
     parser.add_argument("--out", default="runs/bench_learning")
+    parser.add_argument("--swap-context", action="store_true",
+                        help="at the end, held-out α̂ with each conversation's target features swapped for another's")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -124,8 +140,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0))
-    objective, curve, started = Objective.of(tc), [], time.perf_counter()
+    objective, curve, started, training = Objective.of(tc), [], time.perf_counter(), 0.0
     for step in range(1, args.steps + 1):
+        step_started = time.perf_counter()
         batch, rows = store["train"][(step - 1) % len(store["train"])]
         loss = sum(p.loss(objective)[0] for p in drafter.predictions(drafter.module, batch, rows))
         optimizer.zero_grad()
@@ -133,14 +150,20 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.nn.utils.clip_grad_norm_(drafter.module.parameters(), tc.grad_clip)
         optimizer.step()
         schedule.step()
+        training += time.perf_counter() - step_started
         if step % args.every == 0 or step == args.steps:
             alpha, top1 = held_out(drafter, store)
             tau = 1 + sum(math.prod(alpha[:k + 1]) for k in range(len(alpha)))
-            curve.append({"step": step, "loss": loss.item(), "alpha": alpha, "top1": top1, "tau": tau})
+            curve.append({"step": step, "loss": loss.item(), "alpha": alpha, "top1": top1, "tau": tau,
+                          "train_seconds": round(training, 1)})
             print(f"step {step}: loss {loss.item():.3f}  α̂ {' '.join(f'{a:.3f}' for a in alpha)}  top-1 "
                   f"{' '.join(f'{t:.2f}' for t in top1)}  τ {tau:.2f}  ({time.perf_counter() - started:.0f} s)", flush=True)
-    atomic_write_json(out / "learning.json", {"recipe": args.recipe, "overrides": args.overrides,
-                                              "train_tokens": tokens, "curve": curve})
+    report = {"recipe": args.recipe, "overrides": args.overrides, "train_tokens": tokens, "curve": curve}
+    if args.swap_context:
+        report["context_swapped"], _ = held_out(drafter, store, swap=True)
+        print(f"step {args.steps}, context swapped: α̂ {' '.join(f'{a:.3f}' for a in report['context_swapped'])}  "
+              f"(intact {' '.join(f'{a:.3f}' for a in curve[-1]['alpha'])})", flush=True)
+    atomic_write_json(out / "learning.json", report)
 
 
 if __name__ == "__main__":

@@ -944,9 +944,16 @@ def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, p
     assert "target rows cached" in capsys.readouterr().out
     assert [c["step"] for c in first["curve"]] == [2, 4] and first["train_tokens"] > 0
     assert all(len(c["alpha"]) == 4 and all(0 <= a <= 1 for a in c["alpha"]) for c in first["curve"])
-    probe(args)
+    assert 0 < first["curve"][0]["train_seconds"] <= first["curve"][1]["train_seconds"]
+    assert "context_swapped" not in first
+    probe(args + ["--swap-context"])
+    second = json.loads((tmp_path / "probe" / "learning.json").read_text())
     assert "target rows cached" not in capsys.readouterr().out
-    assert json.loads((tmp_path / "probe" / "learning.json").read_text()) == first
+    def untimed(report):
+        return [{k: v for k, v in c.items() if k != "train_seconds"} for c in report["curve"]]
+    assert untimed(second) == untimed(first)  # the same rows, seeded alike: the same curve
+    swapped = second["context_swapped"]
+    assert len(swapped) == 4 and all(0 <= a <= 1 for a in swapped) and swapped != first["curve"][-1]["alpha"]
     # train.data_tokens: rows from the data's first conversations only (the same rows however many shards exist)
     dataset = load_generated(data_dir)
     prefix = 12
