@@ -13,9 +13,10 @@ each curve point records `train_seconds`, the time spent in training steps so fa
 so settings whose steps cost differently compare at equal training time.
 
 --swap-context: at the end, held-out α̂ once more with every held-out conversation's target features swapped for
-another's (rolled by one inside its micro-batch; where the other is shorter, its padding rows), its own tokens kept.
-A drafter that reads the context falls towards what it can do without; one that has learned little more than a
-bigram of its input tokens hardly moves. Stored as `context_swapped` beside the last point's `alpha`.
+another's (rolled by one inside its micro-batch — a micro-batch of one conversation stays as it is; where the other is
+shorter, its padding rows), its own tokens kept. A drafter that reads the context falls towards what it can do
+without; one that has learned little more than a bigram of its input tokens hardly moves. Stored as
+`context_swapped` beside the last point's `alpha`.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             alpha, top1 = held_out(drafter, store)
             tau = 1 + sum(math.prod(alpha[:k + 1]) for k in range(len(alpha)))
             curve.append({"step": step, "loss": loss.item(), "alpha": alpha, "top1": top1, "tau": tau,
-                          "train_seconds": round(training, 1)})
+                          "train_seconds": round(training, 3)})
             print(f"step {step}: loss {loss.item():.3f}  α̂ {' '.join(f'{a:.3f}' for a in alpha)}  top-1 "
                   f"{' '.join(f'{t:.2f}' for t in top1)}  τ {tau:.2f}  ({time.perf_counter() - started:.0f} s)", flush=True)
     report = {"recipe": args.recipe, "overrides": args.overrides, "train_tokens": tokens, "curve": curve}
