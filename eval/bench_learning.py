@@ -110,6 +110,9 @@ def setup(args):
     target.requires_grad_(False)
     data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed,
                         data_tokens=tc.data_tokens)  # a prefix: the same rows however far the data job has got
+    if not data.heldout:
+        raise SpecdrafterError("recipe key 'train.heldout' is 0: the probe scores held-out conversations, keep at "
+                               "least one out")
     if len(data.train) < tc.micro_batch_size:
         raise SpecdrafterError(f"the probe needs at least one micro-batch of {tc.micro_batch_size} training "
                                f"conversations ({len(data.train)} in {tc.data_dir})")

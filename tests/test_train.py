@@ -954,6 +954,10 @@ def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, p
     assert untimed(second) == untimed(first)  # the same rows, seeded alike: the same curve
     swapped = second["context_swapped"]
     assert len(swapped) == 4 and all(0 <= a <= 1 for a in swapped) and swapped != first["curve"][-1]["alpha"]
+    with pytest.raises(SystemExit, match="'train.heldout' is 0"):  # nothing to score: one line, before the target runs
+        flags = args.index("--batches")  # after TINY's train.heldout
+        probe(args[:flags] + ["train.heldout=0"] + args[flags:-2] + ["--out", str(tmp_path / "none")])
+    assert not (tmp_path / "none").exists()
     # train.data_tokens: rows from the data's first conversations only (the same rows however many shards exist)
     dataset = load_generated(data_dir)
     prefix = 12
