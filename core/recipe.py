@@ -446,14 +446,20 @@ class Recipe:
 
 
 def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:
-    """Merge schema defaults ← YAML file ← `key=value` overrides; validate; return a typed DictConfig."""
+    """Merge schema defaults ← YAML file ← `key=value` overrides; validate (checked_recipe); a typed DictConfig."""
     path = Path(path)
     if path.is_dir():
         raise RecipeError(f"recipe {path} is a folder, not a YAML file")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
-    schema = _schema()
-    from_file = read_yaml(path)
+    return checked_recipe(read_yaml(path), overrides)
+
+
+def checked_recipe(tree: DictConfig, overrides: List[str] = ()) -> DictConfig:
+    """The one constructor of a recipe: `tree` (a YAML file's mapping, or a recipe already checked that a job changes,
+    such as a decoding job switching to the drafter a run holds) merged onto the schema with `key=value` overrides,
+    then every check — the schema's, each section's, the drafter kind's. What it returns is trusted from then on."""
+    schema, from_file = _schema(), tree
     dotlist = _parse_overrides(list(overrides))
     try:
         cfg = OmegaConf.merge(schema, from_file, dotlist)

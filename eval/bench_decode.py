@@ -37,9 +37,9 @@ from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, cycle_metrics, is_noisy, range_of, spread_label
 from specdrafter.eval.report import machine_line
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
-from specdrafter.inference.decode import ASDSettings, GenerationResult, speculative_generate, tree_speculative_generate
-from specdrafter.inference.medusa import typical_generate
-from specdrafter.inference.run import block_tuner, build_proposer, load_serving_target
+from specdrafter.inference.decode import GenerationResult
+from specdrafter.inference.decoder import build_decoder
+from specdrafter.inference.run import load_serving_target
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.kinds import KINDS, ArmSpec, Kind, drafter_path
 
@@ -87,7 +87,7 @@ def serving_target(cfg: DictConfig, args):
         if cfg.drafter.kind.value not in given:
             return load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
         cfg.drafter.path = str(given[cfg.drafter.kind.value])
-    return load_serving_target(cfg)
+    return load_serving_target(cfg, drafter_path(cfg))
 
 
 def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
@@ -107,14 +107,12 @@ def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], sp
     c = variant(cfg, kind.name, path, spec.drafter, **spec.inference)
     if spec.decoder == "hf_assisted":  # HF assisted generation with the draft model itself
         return Arm(spec.name, hf_decoder(setup, kind.model(c, setup.target, drafter_path(c))), spec.label)
-    proposer = build_proposer(c, setup.target)
-    if spec.decoder == "chain":
-        return Arm(spec.name, chain_decoder(setup, proposer), spec.label, spec.k)
-    if spec.decoder == "asd":
-        asd = ASDSettings(cfg.inference.asd.budget, cfg.inference.asd.gate, cfg.inference.asd.max_mismatches)
-        return Arm(spec.name, chain_decoder(setup, proposer, asd), spec.label, spec.k, greedy_only=True)
-    decoder = typical_decoder if spec.decoder == "typical" else tree_decoder
-    return Arm(spec.name, decoder(setup, proposer), spec.label, tree_size=spec.tree_size)
+    c.inference.verifier = {"asd": "asd", "typical": "typical"}.get(spec.decoder, "exact")
+    c.inference.max_new_tokens = setup.max_new_tokens
+    decode = our_decoder(setup, c, kind.proposer(c, setup.target, drafter_path(c)))
+    if spec.decoder in ("chain", "asd"):
+        return Arm(spec.name, decode, spec.label, spec.k, greedy_only=spec.decoder == "asd")
+    return Arm(spec.name, decode, spec.label, tree_size=spec.tree_size)
 
 
 def variant(cfg: DictConfig, kind: str, path, drafter: Optional[dict] = None, **inference) -> DictConfig:
@@ -154,37 +152,14 @@ def hf_decoder(setup: Setup, draft=None) -> Decode:
     return run
 
 
-def chain_decoder(setup: Setup, proposer, asd: Optional[ASDSettings] = None) -> Decode:
-    """Our chain loop; at k = auto one tuner per arm, calibrated before any timing, learning across its prompts."""
-    tuner = block_tuner(setup.inference)
-    for model in (tuner, getattr(proposer, "tuner", None)):  # k = auto; a block drafter's confidence-sized length
-        if model is not None:
-            model.calibrate(setup.target, [1] * 16)
-    k = tuner or setup.inference.k
-    return lambda prompt, t, g: speculative_generate(setup.target, proposer, prompt, setup.max_new_tokens,
-                                                     setup.sampling(t), k, setup.eos, asd, g)
-
-
-def tree_decoder(setup: Setup, proposer) -> Decode:
-    """Our tree loop; an auto-sized dynamic tree gets one tree-size tuner per temperature, sharing one calibration
-    made before any timing."""
-    sized, tuners = proposer.tuner, {}
-    if sized is not None:
-        sized.calibrate(setup.target, [1] * 16)
-
-    def run(prompt, t, generator):
-        if sized is not None:
-            proposer.tuner = tuners.setdefault(t, TreeSizeTuner(sized.max_nodes, step_costs=sized.costs))
-        return tree_speculative_generate(setup.target, proposer, prompt, setup.max_new_tokens, setup.sampling(t),
-                                         setup.eos, generator)
-    return run
-
-
-def typical_decoder(setup: Setup, proposer) -> Decode:
-    """Medusa's typical acceptance (lossy at T > 0) over the proposer's static tree."""
-    typical = setup.inference.typical
-    return lambda prompt, t, g: typical_generate(setup.target, proposer, prompt, setup.max_new_tokens, t, typical.eps,
-                                                 typical.delta, setup.eos, g)
+def our_decoder(setup: Setup, cfg: DictConfig, proposer) -> Decode:
+    """Our loops (inference/decoder.py:build_decoder), one decoder per arm, calibrated before any timing: a chain's
+    tuners learn across the arm's prompts and temperatures; an auto-sized tree gets one size tuner per temperature,
+    sharing that calibration (Decoder.at)."""
+    decoder = build_decoder(cfg.inference, setup.target, proposer, setup.eos)
+    decoder.calibrate([1] * 16)
+    at: Dict[float, object] = {}
+    return lambda prompt, t, g: at.setdefault(t, decoder.at(t))(prompt, g)
 
 
 def measure(arms: List[Arm], prompts: List[List[int]], temperatures: List[float], repeats: int, seed: int) -> None:

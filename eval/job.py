@@ -90,17 +90,14 @@ from specdrafter.eval.acceptance import (
 )
 from specdrafter.eval.report import write_report
 from specdrafter.inference.autotune import (
-    BlockLengthTuner,
     PassCosts,
     TreeSizeTuner,
     measure_pass_costs,
     relative_spread,
     time_passes,
 )
-from specdrafter.inference.decode import ASDSettings, speculative_generate, tree_speculative_generate
-from specdrafter.inference.medusa import typical_generate
-from specdrafter.inference.run import build_proposer
-from specdrafter.inference.sampling import SamplingParams
+from specdrafter.inference.decode import ASDSettings
+from specdrafter.inference.decoder import build_decoder
 from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")
@@ -437,12 +434,30 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     """(the model to verify with, the chain proposer, the tree proposer or None) for one checkpoint. A Medusa-2
     checkpoint brings its fine-tuned backbone, which is what it serves."""
     c = cfg.copy()
-    c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
-    serving = kind_of(c).serving_target(ckpt.drafter, target)
-    chain = c.copy()
-    chain.inference.tree, chain.inference.dynamic_tree.total_tokens = [], 0
-    tree = build_proposer(c, serving) if {"tree", "typical"} & set(verifiers) else None
-    return serving, build_proposer(chain, serving), tree
+    path = c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
+    kind = kind_of(c)
+    serving = kind.serving_target(ckpt.drafter, target)
+    tree = kind.proposer(c, serving, path) if {"tree", "typical"} & set(verifiers) else None
+    return serving, kind.proposer(chain_recipe(c), serving, path), tree
+
+
+def chain_recipe(cfg: DictConfig) -> DictConfig:
+    """The recipe with its tree removed: what a chain cell decodes with."""
+    c = cfg.copy()
+    c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
+    return c
+
+
+def cell_decoding(cfg: DictConfig, cell: Cell) -> DictConfig:
+    """The inference section a cell decodes with: its temperature, verifier, k and ASD setting, eval.max_new_tokens."""
+    inf = (cfg if cell.verifier in ("tree", "typical") else chain_recipe(cfg)).inference.copy()
+    inf.temperature, inf.max_new_tokens = cell.temperature, cfg.eval.max_new_tokens
+    inf.verifier = {"typical": "typical", "asd": "asd"}.get(cell.verifier, "exact")
+    if cell.verifier in ("chain", "asd"):
+        inf.k = cell.k
+    if cell.asd is not None:
+        inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches = cell.asd.budget, cell.asd.gate, cell.asd.max_mismatches
+    return inf
 
 
 def step_times(target, prompt: List[int], repeats: int = 5) -> List[float]:
@@ -485,28 +500,20 @@ def _run_cell(cfg: DictConfig, cell: Cell, context: CellContext, beside: Optiona
     """Decode every prompt of the planned `cell` through the loop and measure it: the cell's row of results.json
     (without the comparison with its baseline, which `run_eval` adds). `beside(i)`, if given, runs next to prompt i,
     outside the timing: before it for even i, after it for odd i, so that neither side always goes first."""
-    temperature, verifier, prompts = cell.temperature, cell.verifier, context.prompts
-    # One tuner for the whole cell, with the v(n) the job measured (its own calibration would be timed here).
+    verifier, prompts = cell.verifier, context.prompts
+    # One decoder for the whole cell: its tuners (k = auto, an auto-sized tree; fresh per cell, acceptance differs with
+    # T) start from the v(n) the job measured (their own calibration would be timed here).
     costs = replace(context.machine, step_s=context.step_s)
-    block = BlockLengthTuner(cfg.inference.k_max, step_costs=costs) if cell.k == "auto" else cell.k
-    if verifier == "tree":  # a fresh tree-size tuner per cell (acceptance differs with T); None for a static tree
-        context.tree.tuner = _tree_tuner(cfg, costs)
-    params = SamplingParams(temperature, cfg.inference.top_k, cfg.inference.top_p)
+    proposer = context.tree if verifier in ("tree", "typical") else context.chain
+    decoder = build_decoder(cell_decoding(cfg, cell), context.target, proposer, context.eos, costs,
+                            record_tv=verifier == "chain")
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
     for i, prompt in enumerate(prompts):
         if beside and i % 2 == 0:
             beside(i)
         generator = torch.Generator().manual_seed(cfg.inference.seed + i)
         start = time.perf_counter()
-        if verifier == "typical":
-            r = typical_generate(context.target, context.tree, prompt, cfg.eval.max_new_tokens, temperature,
-                                 cfg.inference.typical.eps, cfg.inference.typical.delta, context.eos, generator)
-        elif verifier == "tree":
-            r = tree_speculative_generate(context.target, context.tree, prompt, cfg.eval.max_new_tokens, params,
-                                          context.eos, generator)
-        else:
-            r = speculative_generate(context.target, context.chain, prompt, cfg.eval.max_new_tokens, params, block,
-                                     context.eos, cell.asd, generator, record_tv=verifier == "chain")
+        r = decoder(prompt, generator)
         seconds += time.perf_counter() - start - sum(c.tv_s for c in r.cycles)  # the D_TV audit is not decoding time
         if beside and i % 2 == 1:
             beside(i)

@@ -51,7 +51,7 @@ class BlockProposer:
                                    "drafter has none (use drafter.block.length=fixed)")
         self.drafter, self.target = drafter.eval(), target
         self.feature_layers = drafter.feature_layers
-        self.tuner = length  # Decoder.calibrate measures its v(n) before any request is timed
+        self.confidence_length = length  # Decoder.calibrate measures its v(n) before any request is timed
         self.vocab_size = target.config.vocab_size
         self.head = drafter.draft_head(target)  # the lm_head rows of the draft vocabulary, gathered once
         self.reset()
@@ -78,16 +78,16 @@ class BlockProposer:
         prev, indices, rows, confidences = anchor, [], [], []
         for j in range(min(k, d.num_drafts)):
             logits, confidence = d.heads(block.logits[:, j], block.hidden[:, j], prev)  # [1, Vd], [1] or None
-            if self.tuner is not None:
+            if self.confidence_length is not None:
                 confidences.append(float(torch.sigmoid(confidence.float())))
-                if j and not self.tuner.keep(confidences):  # decided before draft j is drawn (always one draft)
+                if j and not self.confidence_length.keep(confidences):  # decided before draft j is drawn (always one draft)
                     break
             index, q = draw(logits[0].float().cpu(), params, generator)  # q [Vd] or None (greedy)
             indices.append(index)
             rows.append(q)
             prev = draft_ids[index:index + 1]  # the Markov head's previous token, a target id
-        if self.tuner is not None:
-            self.tuner.update(time.perf_counter() - start)
+        if self.confidence_length is not None:
+            self.confidence_length.update(time.perf_counter() - start)
         tokens = draft_ids.cpu()[indices]  # [n]
         if params.greedy:
             return Proposal(tokens, None)

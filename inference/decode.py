@@ -99,10 +99,11 @@ def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Sequ
     `k` may be a `BlockLengthTuner` (inference/autotune.py): it then picks the block length of every cycle from the
     cycles before it (calibrating the target's v(n) on this prompt the first time) and learns from each one.
     """
+    check_request(target, prompt_ids, max_new_tokens)
     tuner = k if isinstance(k, BlockLengthTuner) else None
     if tuner is None and k < 1:
         raise SpecdrafterError(f"block length k must be >= 1, got {k}")
-    for model in (tuner, getattr(proposer, "tuner", None)):  # v(n) for k = auto, a block drafter's length
+    for model in (tuner, proposer.confidence_length):  # v(n) for k = auto, a block drafter's length
         if model is not None and not model.calibrated:
             model.calibrate(target, prompt_ids)
     if asd is not None and not params.greedy:
@@ -177,7 +178,8 @@ def tree_speculative_generate(target: nn.Module, proposer: TreeProposer, prompt_
     attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
     deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule. `accept` replaces that rule
     (Medusa's typical acceptance: inference/medusa.py:typical_generate)."""
-    tuner = proposer.tuner  # a TreeSizeTuner picks how much of each drafted tree to verify
+    check_request(target, prompt_ids, max_new_tokens)
+    tuner = proposer.tree_size  # a TreeSizeTuner picks how much of each drafted tree to verify
     if tuner is not None and not tuner.calibrated:
         tuner.calibrate(target, prompt_ids)
     taps = proposer.feature_layers
@@ -209,8 +211,8 @@ def _tree_loop(target, proposer: TreeProposer, prompt_ids, max_new_tokens, accep
         _observe(proposer, features, keep)  # target features of the root and the accepted path
         result.cycles.append(CycleStats(max(shape.depths), len(accepted), t1 - t0, t2 - t1, t2 - t_logits,
                                         size=shape.size))
-        if proposer.tuner is not None:
-            proposer.tuner.update(shape.parents, proposer.node_probs, accepted, t1 - t0)
+        if proposer.tree_size is not None:
+            proposer.tree_size.update(shape.parents, proposer.node_probs, accepted, t1 - t0)
         done = _commit(new, committed, result, eos, max_new_tokens)
     return result
 
@@ -224,11 +226,22 @@ def tree_pass(target: nn.Module, cache: DynamicCache, shape, tokens: torch.Tenso
                   position_ids=tree_positions(shape.depths, past).to(device)).logits[0].cpu()
 
 
+def check_request(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """What a decoding loop is given, checked where it enters (one SpecdrafterError, never a hang or torch's
+    IndexError): at least one new token to decode, a non-empty prompt of token ids the target's embedding has."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpecdrafterError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if len(prompt_ids) == 0:
+        raise SpecdrafterError("empty prompt: a request needs at least one token")
+    vocab = target.get_input_embeddings().num_embeddings
+    bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise SpecdrafterError(f"prompt token {bad!r} is not a token id of the target (0 ≤ id < {vocab})")
+
+
 def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[List[int], DynamicCache]:
     """Check the prompt fits with `room` more positions, and fill the target cache with all but its newest token."""
     context = getattr(target.config, "max_position_embeddings", None)
-    if not prompt_ids:
-        raise SpecdrafterError("empty prompt")
     if context and len(prompt_ids) + room > context:
         raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the target's context of "
                                f"{context} tokens")

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.autotune import TreeSizeTuner
 from specdrafter.inference.proposers import Proposal
 from specdrafter.inference.sampling import SamplingParams, draw
 from specdrafter.inference.tree import TreeShape, grow_dynamic_tree, select_dynamic_tree
@@ -22,6 +23,8 @@ class EagleProposer:
     seen. The loop hands over features of newly committed positions through `observe`; they wait in `pending`
     until the next `propose`, which feeds them, then k − 1 of its own (hidden state, drafted token) pairs.
     """
+
+    confidence_length = None  # drafts the k it is asked for
 
     def __init__(self, head: nn.Module, target):
         check_head_fits(head, target)
@@ -102,7 +105,8 @@ class EagleTreeProposer(EagleProposer):
     returning, so the cache again holds only the `cached` committed pairs.
     """
 
-    def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60, tuner=None):
+    def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60,
+                 tree_size: Optional[TreeSizeTuner] = None):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
         if top_k > len(head.d2t):
@@ -110,7 +114,7 @@ class EagleTreeProposer(EagleProposer):
                                    f"({len(head.d2t)} tokens)")
         super().__init__(head, target)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.tuner = tuner  # a TreeSizeTuner: verify only as many of the total_tokens candidates as pay (None: all)
+        self.tree_size = tree_size  # verify only as many of the total_tokens candidates as pay (None: all)
         self.max_tree_size = total_tokens + 1
 
     @torch.no_grad()
@@ -130,9 +134,9 @@ class EagleTreeProposer(EagleProposer):
             outputs.update(zip(frontier, out[0]))
             return self.head.logits(out[0]).log_softmax(-1)  # [F, Vd]
 
-        levels = self.tuner.draft_depth(self.depth) if self.tuner is not None else self.depth
+        levels = self.tree_size.draft_depth(self.depth) if self.tree_size is not None else self.depth
         root_logp = self.head.logits(hidden).log_softmax(-1)  # [1, Vd]
         candidates, fed = grow_dynamic_tree(root_logp, levels, self.top_k, feed_frontier)
         self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the `cached` committed pairs
-        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tuner)
+        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tree_size)
         return shape, torch.tensor([committed[-1]] + draft_ids[[candidates[c].token for c in keep]].tolist())

@@ -41,6 +41,8 @@ class MedusaProposer:
     n - 2, see the module docstring). Stateless between cycles: `observe` replaces the feature, so `rollback`
     has nothing to undo."""
 
+    confidence_length = None  # drafts the k it is asked for
+
     def __init__(self, heads: MedusaHeads, target):
         check_heads_fit(heads, target)
         self.heads = heads.eval()
@@ -84,7 +86,7 @@ class MedusaTreeProposer(MedusaProposer):
     d - 1 (whatever its parent). Children are deterministic top-k choices, so T > 0 is exact with
     `verify_tree_sampling(mode="topk")`; `typical_generate` verifies the same tree with typical acceptance."""
 
-    tuner = None  # a static tree is verified whole
+    tree_size = None  # a static tree is verified whole
 
     def __init__(self, heads: MedusaHeads, target, shape: TreeShape):
         super().__init__(heads, target)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.inference.autotune import TreeSizeTuner
+from specdrafter.inference.autotune import ConfidenceLength, TreeSizeTuner
 from specdrafter.inference.sampling import SamplingParams, draw
 from specdrafter.inference.tree import TreeShape, grow_dynamic_tree, select_dynamic_tree, tree_attention, tree_positions
 
@@ -33,6 +33,7 @@ class Proposer(Protocol):
     """What the chain loop (inference/decode.py:speculative_generate) asks of a drafter."""
 
     feature_layers: Sequence[int]  # target layer ids whose features `observe` wants (empty: it reads none)
+    confidence_length: Optional[ConfidenceLength]  # cuts each block by its confidence (block drafters); None: k drafts
 
     def reset(self) -> None:
         """Start a new request."""
@@ -53,7 +54,7 @@ class TreeProposer(Proposer, Protocol):
     """What the tree loop (inference/decode.py:tree_speculative_generate) asks of a drafter, besides a Proposer's."""
 
     max_tree_size: int  # nodes of the largest tree it drafts, root included (the cache room the loop reserves)
-    tuner: Optional[TreeSizeTuner]  # sizes each dynamic tree (inference/autotune.py); None: verify all it drafts
+    tree_size: Optional[TreeSizeTuner]  # sizes each dynamic tree (inference/decoder.py lends it); None: verify all
     node_probs: torch.Tensor  # [N+1] each node's draft probability in the last tree (read by the tuner)
 
     def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
@@ -68,6 +69,7 @@ class DraftModelProposer:
     """
 
     feature_layers: Sequence[int] = ()  # a draft model reads tokens only
+    confidence_length = None
 
     def __init__(self, model: nn.Module):
         self.model = model.eval()
@@ -138,7 +140,7 @@ class DraftModelTreeProposer(DraftModelProposer):
     the committed prefix, so the accepted path is re-fed at the next cycle like any committed token.
     """
 
-    tuner = None  # a static tree is verified whole
+    tree_size = None  # a static tree is verified whole
 
     def __init__(self, model: nn.Module, shape: TreeShape):
         super().__init__(model)
@@ -183,12 +185,13 @@ class DynamicTreeProposer(DraftModelProposer):
     become the next frontier; every proposed node is remembered. The tree is the `total_tokens` best nodes overall —
     closed under ancestors since scores only fall along a path (ties broken towards shallower nodes)."""
 
-    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60, tuner=None):
+    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60,
+                 tree_size: Optional[TreeSizeTuner] = None):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
         super().__init__(model)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.tuner = tuner  # a TreeSizeTuner: verify only as many of the total_tokens candidates as pay (None: all)
+        self.tree_size = tree_size  # verify only as many of the total_tokens candidates as pay (None: all)
         self.max_tree_size = total_tokens + 1
 
     @torch.no_grad()
@@ -207,8 +210,8 @@ class DynamicTreeProposer(DraftModelProposer):
                               attention_mask=tree_attention(mask, past).to(device),
                               position_ids=torch.full_like(ids, past - 1 + depth)).logits[0].log_softmax(-1)  # [F, V]
 
-        levels = self.tuner.draft_depth(self.depth) if self.tuner is not None else self.depth
+        levels = self.tree_size.draft_depth(self.depth) if self.tree_size is not None else self.depth
         candidates, fed = grow_dynamic_tree(root.log_softmax(-1), levels, self.top_k, feed_frontier)
         self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the committed prefix
-        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tuner)
+        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tree_size)
         return shape, torch.tensor([committed[-1]] + [candidates[c].token for c in keep])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -15,39 +15,23 @@ from tqdm.auto import tqdm
 
 from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, load_saved_recipe, read_yaml, save_recipe
+from specdrafter.core.recipe import DrafterKind, checked_recipe, load_saved_recipe, read_yaml, save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.inference.autotune import BlockLengthTuner
-from specdrafter.inference.decode import (
-    ASDSettings,
-    ContextOverflow,
-    GenerationResult,
-    acceptance_rate,
-    positions_tried,
-    speculative_generate,
-    tree_speculative_generate,
-)
-from specdrafter.inference.medusa import typical_generate
-from specdrafter.inference.sampling import SamplingParams
+from specdrafter.inference.decode import ContextOverflow, GenerationResult, acceptance_rate, positions_tried
+from specdrafter.inference.decoder import Decoder, build_decoder
 from specdrafter.kinds import KINDS, drafter_path, kind_of
 from specdrafter.recipes import RECIPES_DIR
 
 log = logging.getLogger("specdrafter")
 
 
-def load_serving_target(cfg: DictConfig):
-    """(model, tokenizer) that decoding verifies with: the recipe's target, or what the drafter folder brings to
-    serve in its place (Medusa-2's fine-tuned backbone: kinds/: serving_target)."""
-    path = drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
+def load_serving_target(cfg: DictConfig, path: Optional[str]):
+    """(model, tokenizer) that decoding verifies with: the recipe's target, or what the drafter folder at `path`
+    (kinds.drafter_path, checked before the target loads) brings to serve in its place (Medusa-2's fine-tuned
+    backbone: kinds/: serving_target)."""
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
     return kind_of(cfg).serving_target(Path(path) if path else None, target), tokenizer
-
-
-def block_tuner(inference: DictConfig) -> Optional[BlockLengthTuner]:
-    """The tuner that picks every cycle's block length for inference.k = auto (keep one per stream of requests: it
-    learns from every cycle), or None: inference.k is the block length."""
-    return BlockLengthTuner(inference.k_max) if inference.k == "auto" else None
 
 
 @dataclass
@@ -70,10 +54,10 @@ def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
     chosen = cfg.copy()
     chosen.drafter.kind, chosen.drafter.path = DrafterKind(newest.state["drafter"]), str(newest.drafter)
     try:
-        kind_of(chosen).check_recipe(chosen)  # e.g. a static tree, which an EAGLE-3 head does not draft
+        chosen = checked_recipe(chosen)  # a new recipe: e.g. a static tree, which an EAGLE-3 head does not draft
     except SpecdrafterError as why:
         return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: the newest checkpoint of drafter.run {dr.run} holds "
-                                  f"{kind_of(chosen).description}, which cannot decode this recipe ({why})")
+                                  f"{KINDS[newest.state['drafter']].description}, which cannot decode this recipe ({why})")
     return ChosenDrafter(chosen, f"drafter: {_described(chosen)} (the newest checkpoint of drafter.run {dr.run})")
 
 
@@ -105,14 +89,6 @@ def _trainer_of(run: str) -> str:
     return ""
 
 
-def build_proposer(cfg: DictConfig, target):
-    """The proposer a recipe asks for: a chain, a static tree (inference.tree) or an EAGLE-2 dynamic tree
-    (inference.dynamic_tree.total_tokens > 0). Tree proposers have `propose_tree`."""
-    kind = kind_of(cfg)
-    kind.check_recipe(cfg)  # a tree the kind cannot draft is one line (recipes built in code come here unchecked)
-    return kind.proposer(cfg, target, drafter_path(cfg))
-
-
 @dataclass
 class DecodeReport:
     text: str
@@ -126,57 +102,46 @@ class DecodeReport:
                 + (f"; ASD regret {r.asd_regret:.2f}" if r.asd_regret else ""))
 
 
-@dataclass
-class Decoder:
-    """A recipe's decoding set up once for any number of requests: the target, the drafter, the sampling settings."""
-    cfg: DictConfig
-    target: torch.nn.Module
-    tokenizer: object
-    proposer: object  # inference/proposers.py: a Proposer, or a TreeProposer when the recipe asks for a tree
-    eos: List[int]
-    generator: torch.Generator
-    tuner: Optional[BlockLengthTuner] = field(init=False)  # a chain at k = auto: learns across the requests
-
-    def __post_init__(self):
-        inf = self.cfg.inference
-        self.tuner = None if inf.tree or inf.dynamic_tree.total_tokens else block_tuner(inf)
-
-    def calibrate(self, prompt: List[int]) -> None:
-        """Measure the target's pass costs for the tuners (k = auto, an auto-sized dynamic tree) on `prompt` now, so
-        that no request's time includes it (each would otherwise calibrate within its first request)."""
-        for tuner in (self.tuner, getattr(self.proposer, "tuner", None)):
-            if tuner is not None and not tuner.calibrated:
-                tuner.calibrate(self.target, prompt)
-
-    def __call__(self, prompt: List[int]) -> GenerationResult:
-        """One request: prompt ids → the new tokens and per-cycle statistics."""
-        inf, target, n = self.cfg.inference, self.target, self.cfg.inference.max_new_tokens
-        if inf.verifier.value == "typical":
-            return typical_generate(target, self.proposer, prompt, n, inf.temperature, inf.typical.eps, inf.typical.delta,
-                                    self.eos, self.generator)
-        params = SamplingParams(inf.temperature, inf.top_k, inf.top_p)
-        if inf.tree or inf.dynamic_tree.total_tokens:
-            return tree_speculative_generate(target, self.proposer, prompt, n, params, self.eos, self.generator)
-        asd = ASDSettings(**inf.asd) if inf.verifier.value == "asd" else None
-        return speculative_generate(target, self.proposer, prompt, n, params, self.tuner or inf.k, self.eos, asd,
-                                    self.generator)
+def build_proposer(cfg: DictConfig, target):
+    """The recipe's proposer (kinds/: proposer) around its drafter.path, beside `target` on its device."""
+    return kind_of(cfg).proposer(cfg, target, drafter_path(cfg))
 
 
-def build_decoder(cfg: DictConfig) -> Decoder:
-    """The recipe's decoding, with the drafter resolve_drafter chooses (named in one log line)."""
+def load_decoder(cfg: DictConfig) -> "LoadedDecoder":
+    """The recipe's decoding (inference/decoder.py:build_decoder) with the drafter resolve_drafter chooses (named in
+    one log line): its folder checked once, then the target, the proposer beside it, one decoder for every request."""
     chosen = resolve_drafter(cfg)
     log.info(chosen.line)
     cfg = chosen.cfg
-    target, tokenizer = load_serving_target(cfg)
-    return Decoder(cfg, target, tokenizer, build_proposer(cfg, target), eos_token_ids(target, tokenizer),
-                   torch.Generator().manual_seed(cfg.inference.seed))
+    path = drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
+    target, tokenizer = load_serving_target(cfg, path)
+    decoder = build_decoder(cfg.inference, target, kind_of(cfg).proposer(cfg, target, path), eos_token_ids(target, tokenizer))
+    return LoadedDecoder(decoder, tokenizer, torch.Generator().manual_seed(cfg.inference.seed))
+
+
+@dataclass
+class LoadedDecoder:
+    """A recipe's decoder with its target's tokenizer and the stream's generator (seeded by inference.seed)."""
+    decoder: Decoder
+    tokenizer: object
+    generator: torch.Generator
+
+    @property
+    def block_length(self):
+        return self.decoder.block_length
+
+    def calibrate(self, prompt: List[int]) -> None:
+        self.decoder.calibrate(prompt)
+
+    def __call__(self, prompt: List[int]) -> GenerationResult:
+        return self.decoder(prompt, self.generator)
 
 
 def decode(cfg: DictConfig) -> DecodeReport:
     """inference.prompt through the decoding loop."""
     if not cfg.inference.prompt.strip():
         raise SpecdrafterError("recipe key 'inference.prompt' is empty")
-    decoder = build_decoder(cfg)
+    decoder = load_decoder(cfg)
     prompt = user_prompt_ids(decoder.tokenizer, cfg.inference.prompt)
     decoder.calibrate(prompt)
     start = time.perf_counter()
@@ -201,7 +166,7 @@ def decode_file(cfg: DictConfig, on_prompt: Optional[Callable[[int], None]] = No
     out = Path(cfg.output_dir).expanduser() / "decode.jsonl"
     done = _rows_written(out)
     save_recipe(cfg, out.parent)
-    decoder = build_decoder(cfg)
+    decoder = load_decoder(cfg)
     totals = dict(prompts=len(records), decoded=0, skipped=0, resumed=len(done), **dict.fromkeys(ROW_COUNTS, 0),
                   seconds=0.0)
     with open(out, "a") as f, tqdm(total=len(records), initial=len(done), desc="decode", unit="prompt") as bar:

@@ -21,7 +21,6 @@ from torch import nn
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import RecipeError
-from specdrafter.inference.autotune import TreeSizeTuner
 from specdrafter.train.memory import Activations, MemoryInputs, Shapes
 
 
@@ -34,11 +33,6 @@ class ArmSpec(NamedTuple):
     drafter: Dict[str, object] = {}  # drafter.<kind section>.* keys, as {"block": {"length": "confidence"}}
     k: object = None  # the chain's block length (a number or "auto"), None for trees
     tree_size: Optional[int] = None  # nodes verified per cycle (trees)
-
-
-def tree_size(dynamic_tree: DictConfig) -> Optional[TreeSizeTuner]:
-    """The tuner that sizes every dynamic tree (inference.dynamic_tree.auto_size), or None: verify all total_tokens."""
-    return TreeSizeTuner(dynamic_tree.total_tokens) if dynamic_tree.auto_size else None
 
 
 class Kind:

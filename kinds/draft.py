@@ -20,7 +20,7 @@ from specdrafter.inference.proposers import (
     self_draft,
 )
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.kinds.base import ArmSpec, Kind, tree_size
+from specdrafter.kinds.base import ArmSpec, Kind
 from specdrafter.train import memory
 from specdrafter.train.drafters import DraftModelDrafter
 from specdrafter.train.memory import Shapes
@@ -59,7 +59,7 @@ class DraftModel(Kind):
         if inf.tree:
             return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
         if dyn.total_tokens:
-            return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
+            return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens)
         return DraftModelProposer(draft)
 
     def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
-from specdrafter.kinds.base import ArmSpec, Kind, tree_size
+from specdrafter.kinds.base import ArmSpec, Kind
 from specdrafter.models.eagle import (
     EAGLE1_ARCH,
     aux_order_problem,
@@ -53,7 +53,7 @@ class Eagle3(Kind):
         dyn = cfg.inference.dynamic_tree
         if not dyn.total_tokens:
             return EagleProposer(head, target)
-        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens, tree_size(dyn))
+        return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens)
 
     def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
         """The chain, the dynamic tree verified whole and auto-sized, and ASD (T = 0) on the chain."""

@@ -195,7 +195,7 @@ def test_tree_size_update_counts_the_children_of_the_accepted_path():
 def test_auto_sized_trees_decode_greedy_exactly_and_learn(pair):
     target, draft = pair
     tuner = TreeSizeTuner(12)
-    proposer = DynamicTreeProposer(draft, depth=4, top_k=3, total_tokens=12, tuner=tuner)
+    proposer = DynamicTreeProposer(draft, depth=4, top_k=3, total_tokens=12, tree_size=tuner)
     sizes = set()
     for prompt in ([5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8]):
         result = tree_speculative_generate(target, proposer, prompt, 30, SamplingParams(0.0), [2])
@@ -225,7 +225,7 @@ def test_changing_tree_size_every_cycle_still_samples_from_the_target():
     prompt, n = [3, 5], 1500
     tuner = CyclingTree(4)
     tuner.v = {1: 1.0}  # calibrated (the policy ignores costs)
-    proposer = DynamicTreeProposer(draft, depth=2, top_k=2, total_tokens=4, tuner=tuner)
+    proposer = DynamicTreeProposer(draft, depth=2, top_k=2, total_tokens=4, tree_size=tuner)
     gen = torch.Generator().manual_seed(0)
     counts, sizes = Counter(), Counter()
     for _ in range(n):

@@ -257,7 +257,7 @@ def test_greedy_chain_is_token_identical_to_target_generate(request, target, ref
 def test_greedy_tree_is_token_identical_to_target_generate(request, target, references, head, sized):
     """Also with the tree size chosen every cycle (TreeSizeTuner): whatever part of the tree is verified."""
     proposer = CheckedTree(request.getfixturevalue(head), target, depth=4, top_k=4, total_tokens=12,
-                           tuner=TreeSizeTuner(12) if sized else None)
+                           tree_size=TreeSizeTuner(12) if sized else None)
     accepted = []
     for prompt, reference in zip(PROMPTS, references):
         result = tree_speculative_generate(target, proposer, prompt, NEW, GREEDY, EOS)

@@ -14,7 +14,7 @@ from specdrafter.core.io import SpecdrafterError, write_checkpoint_state
 from specdrafter.core.recipe import load_recipe
 from specdrafter.inference.decode import ASDSettings, speculative_generate
 from specdrafter.inference.proposers import DraftModelProposer, check_vocabularies, self_draft
-from specdrafter.inference.run import build_decoder, decode, resolve_drafter
+from specdrafter.inference.run import decode, load_decoder, resolve_drafter
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
 
@@ -140,6 +140,12 @@ def test_bad_input_is_refused_in_one_line(tiny_pair):
         speculative_generate(target, DraftModelProposer(draft), [], 5)
     with pytest.raises(SpecdrafterError, match="greedy decoding only"):
         speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, SamplingParams(1.0), asd=ASDSettings())
+    for n in (0, -1, 2.5):  # 0 used to decode forever: the loop stopped only when the count equalled it
+        with pytest.raises(SpecdrafterError, match=r"max_new_tokens must be an integer >= 1"):
+            speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], n)
+    for prompt in ([5, 300], [-1, 4]):  # torch's embedding raised IndexError from inside the loop
+        with pytest.raises(SpecdrafterError, match=r"is not a token id of the target \(0 ≤ id < 300\)"):
+            speculative_generate(target, DraftModelProposer(draft), prompt, 5)
     with pytest.raises(SpecdrafterError, match="num_layers"):
         self_draft(target, 9)
 
@@ -178,6 +184,31 @@ def test_decode_job_from_a_recipe(tmp_path, smollm2_tokenizer):
 
 
 GENERATE_RECIPE = REPO / "recipes" / "smollm2-135m-generate.yaml"
+
+
+def test_one_decode_checks_its_recipe_once_and_its_drafter_folder_once(tmp_path, smollm2_tokenizer, monkeypatch):
+    """A recipe is checked where it is loaded and trusted after; the drafter folder is verified (its files read and
+    hashed) once, before the target loads — not again by each layer it passes through."""
+    import specdrafter.kinds as kinds
+    from specdrafter.kinds.draft import DraftModel
+
+    sharp_target(tmp_path / "target", smollm2_tokenizer)
+    torch.manual_seed(3)
+    LlamaForCausalLM(tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=1)).save_pretrained(tmp_path / "draft")
+    calls = {"check_recipe": 0, "check_model_folder": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(DraftModel, "check_recipe", counted("check_recipe", DraftModel.check_recipe))
+    monkeypatch.setattr(kinds, "check_model_folder", counted("check_model_folder", kinds.check_model_folder))
+    cfg = load_recipe(GENERATE_RECIPE, [f"target.model={tmp_path / 'target'}", "drafter.kind=draft_model",
+                                        f"drafter.path={tmp_path / 'draft'}", "inference.k=3", "inference.max_new_tokens=4",
+                                        "output_dir=unused", "drafter.run=null"])
+    assert len(decode(cfg).result.tokens) == 4
+    assert calls == {"check_recipe": 1, "check_model_folder": 1}
 
 
 def sharp_target(folder, tokenizer):
@@ -233,16 +264,16 @@ def test_the_block_length_tuner_is_calibrated_before_the_timed_request(tmp_path,
     sharp_target(tmp_path / "target", smollm2_tokenizer)
     cfg = load_recipe(GENERATE_RECIPE, [f"target.model={tmp_path / 'target'}", "drafter.num_layers=1", "inference.k=auto",
                                         "inference.max_new_tokens=6", "output_dir=unused", "drafter.run=null"])
-    decoder = build_decoder(cfg)
+    decoder = load_decoder(cfg)
     prompt = [1, 504, 3287, 314]
-    assert decoder.tuner is not None and not decoder.tuner.calibrated
+    assert decoder.block_length is not None and not decoder.block_length.calibrated
     decoder.calibrate(prompt)
-    costs = decoder.tuner.costs
+    costs = decoder.block_length.costs
     assert sorted(costs.v) == list(range(1, cfg.inference.k_max + 2))
     decoder(prompt)
-    assert decoder.tuner.costs is costs
+    assert decoder.block_length.costs is costs
     cfg.inference.k = 3
-    assert build_decoder(cfg).tuner is None  # a fixed block length: nothing to calibrate
+    assert load_decoder(cfg).block_length is None  # a fixed block length: nothing to calibrate
 
 
 def test_the_decode_launcher_says_which_drafter_and_not_the_recipe(tmp_path, smollm2_tokenizer):

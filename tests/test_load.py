@@ -16,7 +16,7 @@ from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.eval.bench_load import filled_to
 from specdrafter.inference.decode import acceptance_rate
-from specdrafter.inference.run import build_decoder, decode_file, file_summary
+from specdrafter.inference.run import decode_file, file_summary, load_decoder
 
 CONTEXT, NEW, K = 160, 8, 4
 
@@ -87,7 +87,7 @@ def test_the_prompt_file_cli_reports_the_eval_jobs_alpha(tmp_path, sharp_target,
                        f"inference.k={K}", f"inference.prompts={prompts}", f"output_dir={tmp_path / 'out'}"])
     totals = decode_file(cfg)
     out = [json.loads(line) for line in (tmp_path / "out" / "decode.jsonl").read_text().splitlines()]
-    decoder = build_decoder(cfg)  # the same greedy decode, prompt by prompt, as the eval job would measure it
+    decoder = load_decoder(cfg)  # the same greedy decode, prompt by prompt, as the eval job would measure it
     results = [decoder(user_prompt_ids(smollm2_tokenizer, r["prompt"])) for r in rows]
     for row, result in zip(out, results):
         assert row["tokens"] == len(result.tokens) and acceptance_rate(row["accepted"], row["tried"]) == result.alpha

@@ -586,7 +586,7 @@ def test_medusa2_backbone_is_distilled_towards_the_target_and_feeds_the_heads(tm
     drafter.save(drafter.module, folder, smollm2_tokenizer)
     served = load_recipe(REPO / "recipes" / "smollm2-135m-medusa.yaml",
                          [f"output_dir={tmp_path}", f"target.model={peaky_target}", f"drafter.path={folder}", *TINY])
-    backbone, _ = load_serving_target(served)
+    backbone, _ = load_serving_target(served, served.drafter.path)
     proposer = build_proposer(served, backbone)
     with torch.no_grad():
         torch.testing.assert_close(backbone(batch.input_ids, attention_mask=batch.attention_mask).logits, adapted.logits,
@@ -616,7 +616,7 @@ def test_medusa2_trains_and_the_backbone_stays_close_to_the_target(tmp_path, pea
     # speculative decoding of the light evaluation's prompts is token-identical to that backbone's own greedy decoding,
     # and reproduces the τ and α the run logged (the eval job's α: accepted ÷ draft positions tried).
     served = recipe("medusa", tmp_path, peaky_target, data_dir, *settings, f"drafter.path={final_drafter(tmp_path)}")
-    backbone, _ = load_serving_target(served)
+    backbone, _ = load_serving_target(served, served.drafter.path)
     proposer = build_proposer(served, backbone)
     eos = [target.generation_config.eos_token_id]
     tokens, cycles = 0, []

@@ -84,6 +84,16 @@ def test_greedy_tree_decoding_is_token_identical_to_target_generate(choices):
     assert result.tau > 1  # the target as its own tree draft accepts whole paths
 
 
+def test_the_tree_loop_refuses_what_it_cannot_decode_in_one_line():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(300, num_hidden_layers=1)).eval()
+    proposer = DraftModelTreeProposer(target, tree_from_choices([[0], [1]]))
+    with pytest.raises(SpecdrafterError, match=r"max_new_tokens must be an integer >= 1, got 0"):
+        tree_speculative_generate(target, proposer, [5, 17], 0)  # used to decode forever
+    with pytest.raises(SpecdrafterError, match=r"prompt token 300 is not a token id of the target"):
+        tree_speculative_generate(target, proposer, [5, 300], 4)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_tree_decoding_samples_from_the_target_at_temperature_1(dynamic):
     """First two emitted tokens of tree decoding (static and EAGLE-2 dynamic trees) vs the target's own

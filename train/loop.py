@@ -56,7 +56,6 @@ from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
 from specdrafter.train.objectives import Objective  # noqa: E402
-from specdrafter.train.plan import check_training_recipe  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -265,7 +264,6 @@ def setup(cfg: DictConfig) -> Run:
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     out = Path(cfg.output_dir).expanduser()
-    check_training_recipe(cfg)  # the launchers ran it already; a recipe built in code has not
 
     resume = resume_checkpoint(out / "checkpoints", rank, world)
     if resume is not None:
