@@ -333,4 +333,4 @@ def test_mismatched_heads_and_settings_are_refused_in_one_line(target, random_he
     refused(r"top_k \(41\) exceeds the EAGLE head's draft vocabulary \(40 tokens\)",
             lambda: EagleTreeProposer(random_head, target, top_k=41))
     refused("a prompt of >= 2 tokens",
-            lambda: tree_speculative_generate(target, EagleTreeProposer(random_head, target), [250], 4))
+            lambda: tree_speculative_generate(target, EagleTreeProposer(random_head, target), [50], 4))
