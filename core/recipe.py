@@ -7,8 +7,8 @@ names the key before any model or dataset loads.
 Where each check lives: a constraint on one key's value is a `Rule` beside the key in the schema
 (`checked(default, *rules)`), all checked in one pass (`_check_rules`); a rule across keys is in its section's
 function (`_check_data`, `_check_train`, `_check_inference`, `_check_eval`); a rule that depends on the drafter
-kind is the kind's (kinds/: `Kind.check_recipe`); one that needs the target's config.json runs before any weights
-load, in the jobs that train (train/plan.py: `check_against_target`).
+kind is the kind's (kinds/: `Kind.check_recipe`, run by jobs/recipe.py); one that needs the target's config.json
+runs before any weights load, in the jobs that train (jobs/plan.py: `check_against_target`).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class DrafterConfig:
     path: Optional[str] = checked(None, existing_folder("drafter folder"))
     # Decoding with drafter.path unset: a training run's output_dir (or a checkpoint of it) whose newest checkpoint
     # decodes in place of drafter.kind once it holds one trained for target.model; until then drafter.kind decodes,
-    # and the job says which (inference/run.py: resolve_drafter). None: always drafter.kind.
+    # and the job says which (jobs/decode.py: resolve_drafter). None: always drafter.kind.
     run: Optional[str] = None
     # self_draft, and a draft model initialised from the target's first num_layers layers
     num_layers: int = checked(6, AT_LEAST_ONE)
@@ -336,7 +336,7 @@ class TrainConfig:
     # Every N checkpoints (and at the last), decode a couple of prompts of eval.sets[0] with the saved drafter
     # through the real loop and log τ and α (decode/tau, decode/alpha); 0 = off.
     decode_check_every: int = checked(0, NON_NEGATIVE)
-    # Memory per GPU that launch/plan.py and the launchers' check (train/plan.py) plan against. None: 80 GiB in the
+    # Memory per GPU that launch/plan.py and the launchers' check (jobs/plan.py) plan against. None: 80 GiB in the
     # planner, the device's own memory on a CUDA launch.
     gpu_memory_gb: Optional[float] = checked(None, Rule(lambda v: v > 0, "> 0 (GiB per GPU)"))
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -445,20 +445,9 @@ class Recipe:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
 
-def load_recipe(path: str | os.PathLike, overrides: List[str] = ()) -> DictConfig:
-    """Merge schema defaults ← YAML file ← `key=value` overrides; validate (checked_recipe); a typed DictConfig."""
-    path = Path(path)
-    if path.is_dir():
-        raise RecipeError(f"recipe {path} is a folder, not a YAML file")
-    if not path.is_file():
-        raise RecipeError(f"recipe file not found: {path}")
-    return checked_recipe(read_yaml(path), overrides)
-
-
-def checked_recipe(tree: DictConfig, overrides: List[str] = ()) -> DictConfig:
-    """The one constructor of a recipe: `tree` (a YAML file's mapping, or a recipe already checked that a job changes,
-    such as a decoding job switching to the drafter a run holds) merged onto the schema with `key=value` overrides,
-    then every check — the schema's, each section's, the drafter kind's. What it returns is trusted from then on."""
+def typed_recipe(tree: DictConfig, overrides: List[str] = ()) -> DictConfig:
+    """`tree` merged onto the schema with `key=value` overrides, and every check that needs no drafter kind: the
+    schema's, each section's. Jobs build recipes with jobs/recipe.py:checked_recipe, which adds the kind's rules."""
     schema, from_file = _schema(), tree
     dotlist = _parse_overrides(list(overrides))
     try:
@@ -475,9 +464,6 @@ def checked_recipe(tree: DictConfig, overrides: List[str] = ()) -> DictConfig:
     _check_rules(tree)
     for check in (_check_data, _check_train, _check_inference, _check_eval):
         check(cfg)
-    from specdrafter.kinds import check_recipe  # kinds/ builds on this module: imported when first needed
-
-    check_recipe(cfg)
     return cfg
 
 
@@ -661,13 +647,6 @@ def _check_inference(cfg: DictConfig) -> None:
     if inf.tree and inf.dynamic_tree.total_tokens:
         raise RecipeError("recipe keys 'inference.tree' and 'inference.dynamic_tree.total_tokens': choose a static or a dynamic "
                           "tree, not both")
-    if inf.tree:
-        from specdrafter.inference.tree import tree_from_choices  # torch: imported only for a recipe with a tree
-
-        try:
-            tree_from_choices([list(c) for c in inf.tree])
-        except SpecdrafterError as e:
-            raise RecipeError(f"recipe key 'inference.tree': {e}") from None
     if inf.verifier.value == "asd" and inf.temperature > 0:
         raise RecipeError("recipe key 'inference.verifier': asd is defined for greedy decoding only "
                           "(set inference.temperature=0)")

@@ -49,6 +49,7 @@ from specdrafter.core.io import (
 from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import chat_ids, eos_token_ids, user_prompt_ids
+from specdrafter.data.server import ServerEngine
 from specdrafter.models.features import capture_features, check_layer_ids
 
 log = logging.getLogger("specdrafter")
@@ -483,7 +484,6 @@ def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int
     """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server)."""
     d = cfg.data
     if d.engine.value == "server":
-        from specdrafter.data.server import ServerEngine
         return ServerEngine(list(d.servers), d.concurrency, tokenizer)
     return HFEngine(model, tokenizer, d.batch_size, on_batch)
 
@@ -688,15 +688,3 @@ def load_shard(folder: Path) -> datasets.Dataset:
             problem = f"unreadable ({first_line(e)})"
     raise SpecdrafterError(f"shard {str(folder)!r} is damaged: {problem}; rerun the data job (launch/generate_data.py) "
                            "to regenerate it")
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    """`python -m specdrafter.data.regenerate RECIPE.yaml [key=value ...] [--print-config]` (launch/generate_data.py)."""
-    from specdrafter.core.cli import cli  # not at the top: core/cli.py → kinds/ → train/ imports this module
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli(generate_dataset, argv)
-
-
-if __name__ == "__main__":
-    main()

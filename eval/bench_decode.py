@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, load_recipe
+from specdrafter.core.recipe import DrafterKind
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, cycle_metrics, is_noisy, range_of, spread_label
@@ -39,8 +39,9 @@ from specdrafter.eval.report import machine_line
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import GenerationResult
 from specdrafter.inference.decoder import build_decoder
-from specdrafter.inference.run import load_serving_target
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.jobs.decode import load_serving_target
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, ArmSpec, Kind, drafter_path
 
 Decode = Callable  # (prompt ids, temperature, generator) → list of new tokens, or a GenerationResult

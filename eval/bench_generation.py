@@ -23,10 +23,10 @@ import torch
 from transformers import GenerationConfig
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.data.regenerate import generate_responses
+from specdrafter.jobs.recipe import load_recipe
 
 
 def hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, batch_size):

@@ -34,12 +34,12 @@ from typing import List, Optional
 import torch
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
-from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_target
+from specdrafter.jobs.recipe import load_recipe
+from specdrafter.jobs.train import acceptance_sums, lr_factor, param_groups
 from specdrafter.kinds import build_drafter, feature_layers
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import run_target
-from specdrafter.train.loop import acceptance_sums, lr_factor, param_groups
 from specdrafter.train.objectives import Objective
 
 

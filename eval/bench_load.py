@@ -25,11 +25,11 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
-from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import ensure_smollm2, load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.job import run_eval
-from specdrafter.inference.run import decode_file
+from specdrafter.jobs.decode import decode_file
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.recipes import RECIPES_DIR
 
 RECIPE = RECIPES_DIR / "smollm2-135m-generate.yaml"

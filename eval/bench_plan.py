@@ -1,9 +1,9 @@
-"""Benchmark: the planner (train/plan.py) against measured peak memory per rank, for the SmolLM2 recipes.
+"""Benchmark: the planner (jobs/plan.py) against measured peak memory per rank, for the SmolLM2 recipes.
 
     python -m specdrafter.eval.bench_plan [--runs eagle3:0:1 eagle3:2:2 ...] [--steps 3] [--out runs/bench/bench_plan.json]
 
 Each run is RECIPE:ZERO_STAGE:RANKS. Its ranks are fresh processes joined like the `deepspeed` launcher joins them
-(gloo on CPU, NCCL on CUDA); each builds the target, the drafter and the DeepSpeed engine as train/loop.py does and
+(gloo on CPU, NCCL on CUDA); each builds the target, the drafter and the DeepSpeed engine as jobs/train.py does and
 takes --steps optimizer steps of micro-batches of exactly micro_batch_size × max_length tokens with every position
 counted (random ids and, offline, random cached features) — the batch the plan is for — with the loop's own calls
 and variable lifetimes. Measured per rank, over the steps:
@@ -80,14 +80,14 @@ def rss_kib(field: str = "VmRSS") -> int:
 
 
 def worker(recipe: str, overrides, steps: int) -> dict:
-    """One rank: set up as train/loop.py does, then `steps` loop-faithful optimizer steps; peak memory."""
+    """One rank: set up as jobs/train.py does, then `steps` loop-faithful optimizer steps; peak memory."""
     import deepspeed
 
-    from specdrafter.core.recipe import load_recipe
     from specdrafter.data.assets import load_target
+    from specdrafter.jobs.recipe import load_recipe
+    from specdrafter.jobs.train import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
     from specdrafter.kinds import build_drafter, kind_of
     from specdrafter.train.batches import Batch
-    from specdrafter.train.loop import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
 
     cfg = load_recipe(recipe, overrides)
     t = cfg.train
@@ -127,7 +127,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     else:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM: the peak below is the steps'
         tracker.peak = tracker.live
-    for step in range(steps):  # train/loop.py's inner loop, its calls and variable lifetimes
+    for step in range(steps):  # jobs/train.py's inner loop, its calls and variable lifetimes
         for micro in range(t.grad_accum):
             batch = make_batch().to(device)
             loss, _ = micro_batch_loss(drafter, engine, target, batch, layers, t, device)
@@ -172,8 +172,8 @@ def launch(name: str, zero: int, ranks: int, steps: int, extra) -> list:
 
 def planned(name: str, zero: int, ranks: int, extra, resident: bool = False) -> int:
     """The plan of a run on this machine; `resident`: only the pages a CPU process touches (to compare with RSS)."""
-    from specdrafter.core.recipe import load_recipe
-    from specdrafter.train.plan import Setup, make_plan
+    from specdrafter.jobs.plan import Setup, make_plan
+    from specdrafter.jobs.recipe import load_recipe
 
     cfg = load_recipe(RECIPES[name], [*OVERRIDES[name], f"train.zero_stage={zero}", *extra])
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,7 +24,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdrafter.core.recipe import load_recipe
+    from specdrafter.jobs.recipe import load_recipe
     from specdrafter.kinds import build_drafter, kind_of
     from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch

@@ -7,7 +7,7 @@ teacher rows, no autocast, shuffled batches), on the same conversations: `offlin
     python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
 
 With `--ranks 1 2` it instead runs the real launcher, `deepspeed --num_accelerators N --module
-specdrafter.train.command` (what launch/train_<kind>.py runs; DS_ACCELERATOR=cpu here; the machine's cores split
+specdrafter.jobs.train` (what launch/train_<kind>.py runs; DS_ACCELERATOR=cpu here; the machine's cores split
 evenly between the ranks), for `--steps` optimizer steps at each N, and reports the training tokens/s of the last
 step's record (evaluation and checkpointing come after it), scaling over 1 rank, and the wall time of each launch:
 
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
-from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_target
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import build_drafter, kind_of
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import run_target
@@ -79,7 +79,7 @@ def main(argv=None):
             target(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
 
     def step(batch, teacher_ids=drafter.teacher_ids, precision=t.precision.value):
-        """One optimizer step as train.loop takes it (teacher rows, autocast)."""
+        """One optimizer step as jobs/train.py takes it (teacher rows, autocast)."""
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):
             out = run_target(target, batch, layers, teacher_ids, t.temperature)
             predictions = drafter.predictions(drafter.module, batch, out)
@@ -133,7 +133,7 @@ def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dic
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, cores // n)))
         deepspeed = Path(sys.executable).with_name("deepspeed")  # the launcher of this interpreter's environment
         cmd = [str(deepspeed) if deepspeed.exists() else "deepspeed", "--num_accelerators", str(n),
-               "--master_port", str(_free_port()), "--module", "specdrafter.train.command", recipe, *overrides,
+               "--master_port", str(_free_port()), "--module", "specdrafter.jobs.train", recipe, *overrides,
                f"output_dir={run_dir}", f"train.max_steps={steps}", f"train.eval_every={steps}", f"train.save_every={steps}",
                "train.decode_check_every=0", "train.wandb.mode=disabled"]
         start = time.perf_counter()

@@ -68,7 +68,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
-from specdrafter.core.cli import cli
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
@@ -98,6 +97,7 @@ from specdrafter.inference.autotune import (
 )
 from specdrafter.inference.decode import ASDSettings
 from specdrafter.inference.decoder import build_decoder
+from specdrafter.jobs.cli import cli
 from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")

@@ -9,8 +9,8 @@ conversations holding that many target tokens (train.data_tokens) and evaluated 
 (eval.sets × eval.temperatures × chain at inference.k and the auto-sized dynamic tree). At `scaling.compare_budget`
 the other source is trained and evaluated too: regenerated (target) vs teacher-forced (dataset) at equal tokens.
 
-Every step is one of the project's own commands, run as a subprocess (`python -m specdrafter.data.regenerate`,
-`.train.command`, `.eval.job`), each resuming where it stopped, so rerunning the same command after a kill continues
+Every step is one of the project's own commands, run as a subprocess (`python -m specdrafter.jobs.data`,
+`.jobs.train`, `.eval.job`), each resuming where it stopped, so rerunning the same command after a kill continues
 the curve. After every evaluated run `scaling.json`, `scaling.md` and `tau_vs_tokens.png` are rewritten in
 output_dir: a budget still training appears as not reached.
 """
@@ -31,11 +31,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from specdrafter.core.cli import cli  # noqa: E402
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, complete_checkpoints  # noqa: E402
 from specdrafter.core.recipe import save_recipe  # noqa: E402
 from specdrafter.eval.acceptance import speedup_of  # noqa: E402
-from specdrafter.train.plan import check_against_target  # noqa: E402
+from specdrafter.jobs.cli import cli  # noqa: E402
+from specdrafter.jobs.plan import check_against_target  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -68,7 +68,7 @@ def ensure_data(cfg: DictConfig, recipe: str, overrides: List[str], source: str,
                                        "prompt set has no more conversations; lower scaling.budgets")
         shard = cfg.data.shard_size
         conversations = max(conversations + shard, math.ceil(tokens * 1.05 / per_conversation / shard) * shard)
-        command("specdrafter.data.regenerate", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
+        command("specdrafter.jobs.data", recipe, overrides, f"output_dir={data_dir}", f"data.responses={source}",
                 f"data.num_conversations={conversations}")
     return response_tokens(data_dir)
 
@@ -112,7 +112,7 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
         data_dir = out / f"data-{source}"
         ensure_data(cfg, recipe, overrides, source, budget, data_dir)
         run_dir = out / name
-        command("specdrafter.train.command", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
+        command("specdrafter.jobs.train", recipe, overrides, f"output_dir={run_dir}", f"train.data_dir={data_dir}",
                 f"train.data_tokens={budget}")
         newest = complete_checkpoints(run_dir / "checkpoints")[-1]
         state = json.loads((newest / "trainer_state.json").read_text())

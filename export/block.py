@@ -36,8 +36,8 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_json, save_weight
 from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.models.block import BlockDrafter, load_block_drafter
 
-if TYPE_CHECKING:  # export/formats.py imports this module: its types only for the annotations
-    from specdrafter.export.formats import Source, Target
+if TYPE_CHECKING:  # annotations only
+    from specdrafter.export.source import Source, Target
     from specdrafter.kinds.block import BlockKind
 
 FORMATS = ("vllm", "sglang", "speculators")

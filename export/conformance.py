@@ -96,9 +96,9 @@ def build_and_export(work: Path) -> dict:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from specdrafter.core.io import SpecdrafterError
-    from specdrafter.core.recipe import load_recipe
     from specdrafter.data.assets import ensure_smollm2
     from specdrafter.export.formats import export
+    from specdrafter.jobs.recipe import load_recipe
     from specdrafter.kinds import KINDS, build_drafter
     from specdrafter.recipes import RECIPES_DIR
 

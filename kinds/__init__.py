@@ -12,6 +12,8 @@ from typing import Dict, List, Optional
 from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError, check_model_folder
+from specdrafter.core.recipe import RecipeError
+from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
 from specdrafter.kinds.block import DFlash, DSpark
 from specdrafter.kinds.draft import DraftModel, SelfDraft
@@ -37,7 +39,13 @@ def kind_of_config(config: dict) -> Optional[Kind]:
 
 
 def check_recipe(cfg: DictConfig) -> None:
-    """The rules that need the kind (core/recipe.py: load_recipe runs them after the schema's, before anything loads)."""
+    """The rules that need the drafter side of the code: a static tree's shape (inference.tree), then the kind's own
+    (jobs/recipe.py:checked_recipe runs them after the schema's, before anything loads)."""
+    if cfg.inference.tree:
+        try:
+            tree_from_choices([list(c) for c in cfg.inference.tree])
+        except SpecdrafterError as e:
+            raise RecipeError(f"recipe key 'inference.tree': {e}") from None
     kind_of(cfg).check_recipe(cfg)
 
 

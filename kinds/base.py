@@ -14,14 +14,17 @@ A kind answers six questions:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from omegaconf import DictConfig
-from torch import nn
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import RecipeError
-from specdrafter.train.memory import Activations, MemoryInputs, Shapes
+
+if TYPE_CHECKING:  # annotations only: importing the protocol loads no torch, transformers or peft
+    from torch import nn
+
+    from specdrafter.train.memory import Activations, MemoryInputs, Shapes
 
 
 class ArmSpec(NamedTuple):
@@ -104,7 +107,7 @@ class Kind:
     def planner_module(self, cfg: DictConfig, target: nn.Module,
                        config_of: Callable[[str], object]) -> Tuple[nn.Module, Optional[Shapes]]:
         """(the trainable module built on the meta device, its own shapes when it is a causal LM, else None).
-        `config_of(name)` reads a model's config without weights (train/plan.py:target_config)."""
+        `config_of(name)` reads a model's config without weights (jobs/plan.py:target_config)."""
         return self.drafter(cfg, target).module, None
 
     def planner_activations(self, act: Activations, m: MemoryInputs) -> None:

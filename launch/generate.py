@@ -6,8 +6,8 @@
 
 import logging
 
-from specdrafter.core.cli import cli
-from specdrafter.inference.run import decode, decode_file
+from specdrafter.jobs.cli import cli
+from specdrafter.jobs.decode import decode, decode_file
 
 
 def main(cfg):

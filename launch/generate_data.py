@@ -3,7 +3,7 @@
     python launch/generate_data.py recipes/smollm2-135m-data.yaml [key=value ...] [--print-config]
 """
 
-from specdrafter.data.regenerate import main
+from specdrafter.jobs.data import main
 
 if __name__ == "__main__":
     main()

@@ -4,10 +4,10 @@
 
 Defaults: one node with 8 GPUs for a hub target, 1 for the built-in one. Exits 1 when a check fails (the FAIL
 lines say which key to change). The training launchers run the same check on CUDA before loading anything.
-The same command without a checkout: python -m specdrafter.train.plan RECIPE.yaml ...
+The same command without a checkout: python -m specdrafter.jobs.plan RECIPE.yaml ...
 """
 
-from specdrafter.train.plan import main
+from specdrafter.jobs.plan import main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
 Rerun the same command after an interruption to resume from the last checkpoint.
 """
 
-from specdrafter.train.command import train_command
+from specdrafter.jobs.train import train_command
 
 if __name__ == "__main__":
     train_command()

@@ -90,7 +90,7 @@ def assert_first_two_tokens_follow(target, prompt, counts, n: int, level: float 
 
 def small_data_recipe(out, target, prompts, *extra):
     """The data recipe shrunk for tests: 8 regenerated conversations of ≤ 12 new tokens, shards of 3, no hidden states."""
-    from specdrafter.core.recipe import load_recipe
+    from specdrafter.jobs.recipe import load_recipe
     return load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", [
         f"output_dir={out}", f"target.model={target}", "target.dtype=float32", f"data.prompts={prompts}",
         "data.responses=target",

@@ -14,11 +14,11 @@ import torch
 from transformers import AutoConfig
 
 from specdrafter.core.io import SpecdrafterError, check_model_folder, write_checkpoint_state
-from specdrafter.core.recipe import load_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.regenerate import load_generated, write_shard
 from specdrafter.eval.job import Results, find_run_checkpoints
 from specdrafter.export.formats import find_source
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, check_drafter_folder
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle1, load_eagle3, save_eagle3
 from specdrafter.models.medusa import MedusaHeads, load_medusa, medusa_config, save_medusa

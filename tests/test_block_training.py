@@ -12,10 +12,10 @@ from transformers import LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import DrafterKind, Recipe
+from specdrafter.jobs.train import param_groups
 from specdrafter.train.batches import Batch
 from specdrafter.train.block import BlockTrainingDrafter, sample_anchors
 from specdrafter.train.drafters import TargetOutput, counted_rows
-from specdrafter.train.loop import param_groups
 from specdrafter.train.objectives import Objective
 
 V = 64
@@ -150,7 +150,8 @@ def test_a_mask_token_the_training_data_uses_is_refused(target):
 def test_block_recipe_settings_that_cannot_work_are_one_line(recipe_name, overrides, message):
     from conftest import REPO
 
-    from specdrafter.core.recipe import RecipeError, load_recipe
+    from specdrafter.core.recipe import RecipeError
+    from specdrafter.jobs.recipe import load_recipe
     with pytest.raises(RecipeError, match=message):
         load_recipe(REPO / "recipes" / f"smollm2-135m-{recipe_name}.yaml", overrides)
 

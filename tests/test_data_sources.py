@@ -11,10 +11,10 @@ from conftest import small_data_recipe
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from specdrafter.core.recipe import load_recipe
 from specdrafter.data.chat import chat_ids
 from specdrafter.data.regenerate import generate_dataset, generate_responses, load_generated, sample_tokens
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
+from specdrafter.jobs.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"

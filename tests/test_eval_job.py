@@ -15,12 +15,13 @@ from transformers import LlamaForCausalLM
 
 import specdrafter.eval.job as eval_job
 from specdrafter.core.io import SpecdrafterError, json_digest
-from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.core.recipe import RecipeError
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.eval.job import answer_accuracy, final_number, run_eval
 from specdrafter.inference.decode import speculative_generate
 from specdrafter.inference.proposers import DraftModelProposer
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.jobs.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -26,13 +26,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import load_recipe
 from specdrafter.export.formats import export, push_to_hub
 from specdrafter.inference.decode import speculative_generate
 from specdrafter.inference.eagle import EagleProposer
 from specdrafter.inference.medusa import MedusaProposer
 from specdrafter.inference.proposers import DraftModelProposer
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import build_drafter
 from specdrafter.models.eagle import Eagle3Head, full_vocab_maps, load_eagle3
 from specdrafter.models.medusa import MedusaConfig, MedusaHeads, load_medusa

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import load_recipe
 from specdrafter.export.formats import export
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.models.block import BlockDrafter, block_config, save_block_drafter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,10 +14,11 @@ import yaml
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from specdrafter.core.cli import cli
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import Recipe, RecipeError, load_recipe
+from specdrafter.core.recipe import Recipe, RecipeError
 from specdrafter.data.assets import load_prompt_set
+from specdrafter.jobs.cli import cli
+from specdrafter.jobs.recipe import load_recipe
 
 SEED = 20240617
 BASE_RECIPE = REPO / "recipes" / "smollm2-135m-eagle3.yaml"

@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError, write_checkpoint_state
-from specdrafter.core.recipe import load_recipe
 from specdrafter.inference.decode import ASDSettings, speculative_generate
 from specdrafter.inference.proposers import DraftModelProposer, check_vocabularies, self_draft
-from specdrafter.inference.run import decode, load_decoder, resolve_drafter
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.jobs.decode import decode, load_decoder, resolve_drafter
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
 
 PROMPTS = [[5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]]

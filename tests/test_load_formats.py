@@ -16,11 +16,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import load_recipe
 from specdrafter.export.formats import export
 from specdrafter.inference.decode import speculative_generate
-from specdrafter.inference.run import build_proposer
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.jobs.decode import build_proposer
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, check_drafter_folder, drafter_path, kind_of, kind_of_config
 from specdrafter.models.eagle import Eagle3Head, check_head_fits, eagle3_config, load_eagle3, save_eagle3
 from specdrafter.models.medusa import MedusaHeads, load_medusa, medusa_config, save_medusa

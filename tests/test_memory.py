@@ -9,8 +9,8 @@ from conftest import REPO, tiny_llama_config
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from specdrafter.core.recipe import load_recipe
 from specdrafter.eval.bench_plan import LiveTensorBytes
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import kind_of
 from specdrafter.train.eagle import training_time_test
 from specdrafter.train.memory import OBJECTIVE_BYTES, Counts, Setup, activations, objective_bytes
@@ -87,7 +87,7 @@ def test_eagle3_saved_bytes_per_token_and_ttt_step(precision):
     rows = torch.ones(B, L, dtype=torch.bool).nonzero(as_tuple=True)  # every position counted
 
     def forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):  # train/loop.py:autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp_bf16"):  # jobs/train.py:autocast
             hidden = training_time_test(module, drafter.embed, module.fuse(features), ids, steps)  # per step [B, L, d]
             return [module.logits(h[rows]) for h in hidden]  # per step [B·L, Vd]
 

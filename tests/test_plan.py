@@ -1,4 +1,4 @@
-"""The planner (train/plan.py, launch/plan.py): cluster recipes planned on the meta device in seconds, one line per
+"""The planner (jobs/plan.py, launch/plan.py): cluster recipes planned on the meta device in seconds, one line per
 failing sanity check, and the launchers' check silent on CPU."""
 
 import json
@@ -10,9 +10,9 @@ import torch
 from conftest import REPO
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import load_recipe
-from specdrafter.train.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
-from specdrafter.train.plan import main as plan_main
+from specdrafter.jobs.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
+from specdrafter.jobs.plan import main as plan_main
+from specdrafter.jobs.recipe import load_recipe
 
 LLAMA8B = REPO / "recipes" / "llama8b.yaml"
 EIGHT = Setup(world=8, gpus_per_node=8)
@@ -44,7 +44,7 @@ def test_llama8b_plan_counts_and_fits(llama8b):
 
 
 def test_plan_text_has_every_section(llama8b):
-    from specdrafter.train.plan import format_plan
+    from specdrafter.jobs.plan import format_plan
 
     text = format_plan(llama8b, load_recipe(LLAMA8B))
     for needle in ("per rank", "total", "teacher logits", "data job: recipes/llama8b-data.yaml",
@@ -136,7 +136,7 @@ def test_dspark_plan_counts_its_layers_and_blocks():
 
 
 def test_per_node_numbers(llama8b):
-    from specdrafter.train.plan import format_plan
+    from specdrafter.jobs.plan import format_plan
 
     two = plan_of(setup=Setup(world=16, gpus_per_node=8))
     assert two.setup.nodes == 2
@@ -190,7 +190,7 @@ def test_unknown_hub_target_is_one_line(monkeypatch):
 
 def fake_gpus(monkeypatch, count: int, gib: int = 80) -> None:
     """torch reports `count` CUDA devices of `gib` GiB each (the planner reads nothing else of a GPU)."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # if train/loop.py is first imported below: DeepSpeed stays on the CPU
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # if jobs/train.py is first imported below: DeepSpeed stays on the CPU
     props = type("Props", (), {"total_memory": gib * GIB})
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: count)

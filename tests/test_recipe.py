@@ -9,7 +9,8 @@ import pytest
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.core.recipe import RecipeError
+from specdrafter.jobs.recipe import load_recipe
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"

@@ -1,4 +1,4 @@
-"""Recipe regression: a fixed tiny run of each drafter kind, trained through the real loop (train/loop.py under
+"""Recipe regression: a fixed tiny run of each drafter kind, trained through the real loop (jobs/train.py under
 DeepSpeed, a world of one), logs these exact per-step losses. A change to the data order, the batching, a drafter,
 an objective, the optimizer or the schedule moves them; a deliberate change re-records them (copy the
 new numbers from the failure's captured output, after checking that the change was meant to move them)."""
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-import specdrafter.train.loop as train_loop
-from specdrafter.core.recipe import load_recipe
+import specdrafter.jobs.train as train_loop
 from specdrafter.data.regenerate import generate_dataset
+from specdrafter.jobs.recipe import load_recipe
 
 STEPS = 3
 # Teacher-forced answers (data.responses=dataset): the data job samples nothing, so the data is fixed text.

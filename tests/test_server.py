@@ -16,9 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import RecipeError, load_recipe
+from specdrafter.core.recipe import RecipeError
 from specdrafter.data.assets import load_target
 from specdrafter.data.server import SAMPLING_MESSAGES, TRANSFORMERS_SAMPLING, ServerEngine, parse_reply
+from specdrafter.jobs.recipe import load_recipe
 
 START_TIMEOUT_S = 180
 SERVE = "from transformers.cli.transformers import main; main()"  # `transformers serve`, from this interpreter

@@ -21,24 +21,25 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-import specdrafter.train.loop as train_loop
+import specdrafter.jobs.train as train_loop
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import Recipe, RecipeError, load_recipe
+from specdrafter.core.recipe import Recipe, RecipeError
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.regenerate import generate_dataset, load_generated
 from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
 from specdrafter.inference.eagle import EagleTreeProposer
-from specdrafter.inference.run import build_proposer, decode, load_serving_target
 from specdrafter.inference.sampling import SamplingParams
+from specdrafter.jobs.decode import build_proposer, decode, load_serving_target
+from specdrafter.jobs.plan import check_training_recipe
+from specdrafter.jobs.recipe import load_recipe
+from specdrafter.jobs.train import acceptance_sums, complete_checkpoints, deepspeed_config
 from specdrafter.kinds import build_drafter, drafter_path, feature_layers, kind_of
 from specdrafter.models.eagle import Eagle1Head, Eagle3Head, eagle3_config, load_eagle1
 from specdrafter.train.batches import Batch, TrainingData
 from specdrafter.train.drafters import run_target
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
-from specdrafter.train.loop import acceptance_sums, complete_checkpoints, deepspeed_config
 from specdrafter.train.objectives import Objective
-from specdrafter.train.plan import check_training_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle3": "smollm2-135m-eagle3"}

@@ -84,7 +84,7 @@ class BlockTrainingDrafter:
         self.anchors, self.decay, self.confidence_weight = b.anchors, b.loss_decay, b.confidence_weight
         self.temperature = cfg.train.temperature
         self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
-        # train/loop.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
+        # jobs/train.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
         self.lr_scales = {"markov_head.": b.markov_lr_scale} if module.markov_head is not None else {}
 
     def weight(self, j: int) -> float:

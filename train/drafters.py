@@ -4,7 +4,7 @@
     save(module, folder, tokenizer)                      an HF-loadable folder the inference module decodes with
 
 A Prediction pairs draft logits at position t with the target's logits at the position that predicts the same
-token, so one loss (`train.objectives.distill_loss`) and one metric (`train.loop.acceptance_sums`) serve every
+token, so one loss (`train.objectives.distill_loss`) and one metric (`jobs.train.acceptance_sums`) serve every
 kind. With lead s, draft position t predicts x_{t+s}: it is compared with the target's row t+s−1, and only
 positions where x_{t+s} is target-generated (loss_mask) are computed at all.
 Draft model: s = 1. Medusa head h: s = h + 2. EAGLE-3 TTT step j: s = j + 2.
@@ -35,6 +35,7 @@ from specdrafter.models.features import capture_features
 from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_config, save_medusa
 from specdrafter.train.batches import Batch
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test
+from specdrafter.train.memory import TEACHER_CHUNK
 from specdrafter.train.objectives import Objective, feature_loss
 
 # The dtype of every trainable drafter's weights, whatever the target's: AdamW on bf16 weights loses the updates
@@ -95,9 +96,6 @@ def counted_rows(loss_mask: torch.Tensor, lead: int):
 def target_rows(target: TargetOutput, rows, lead: int) -> torch.Tensor:
     """The target's logits [N, V] for the token that draft position t predicts with lead s: row t+s−1."""
     return target.logits[target.rows(rows, lead)]
-
-
-TEACHER_CHUNK = 16_384  # vocabulary rows per matmul while the teacher's full-vocabulary normaliser is accumulated
 
 
 @torch.no_grad()

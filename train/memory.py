@@ -1,5 +1,5 @@
-"""The planner's memory model: bytes per rank of a training run, term by term, as train/loop.py and DeepSpeed
-allocate them (train/plan.py explains the terms and assembles the plan). The constants below were fitted to what
+"""The planner's memory model: bytes per rank of a training run, term by term, as jobs/train.py and DeepSpeed
+allocate them (jobs/plan.py explains the terms and assembles the plan). The constants below were fitted to what
 the loop allocates; tests/test_memory.py pins OBJECTIVE_BYTES and EAGLE-3's saved bytes per token and TTT step (on
 the CPU) against the tensors autograd saves on tiny configs, eval/bench_plan.py the whole plan against measured peaks."""
 
@@ -11,8 +11,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig
 
-from specdrafter.train.drafters import TEACHER_CHUNK
 from specdrafter.train.objectives import objective_weights
+
+# vocabulary rows per matmul while the teacher's full-vocabulary normaliser is accumulated (train/drafters.py)
+TEACHER_CHUNK = 16_384
 
 GIB = 2**30
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
@@ -66,7 +68,7 @@ class Setup:
 
 
 def precision(cfg: DictConfig, device: str) -> Tuple[bool, bool]:
-    """(bf16 module, bf16 autocast) as train/loop.py resolves train.precision."""
+    """(bf16 module, bf16 autocast) as jobs/train.py resolves train.precision."""
     p = cfg.train.precision.value
     bf16 = p == "bf16" or (p == "auto" and device == "cuda")
     return bf16, p == "amp_bf16"
@@ -115,7 +117,7 @@ def model_states(cfg: DictConfig, c: Counts, s: Setup) -> States:
 
 @dataclass
 class Activations:
-    """Bytes of one micro-step, grouped by how long they live in train/loop.py's inner loop."""
+    """Bytes of one micro-step, grouped by how long they live in jobs/train.py's inner loop."""
     batch: int = 0  # the batch on the device (ids, masks, cached features)
     features: int = 0  # TargetOutput's features in the drafter's dtype (+ its row index)
     logits: int = 0  # TargetOutput's teacher rows (fp32)
@@ -334,3 +336,30 @@ def block(act: Activations, m: MemoryInputs, drafts: int, heads: bool) -> None:
         act.loss_saved += rows * Vd * saved
         act.loss_peak = max(act.loss_peak, rows * Vd * (peak - saved))
         act.backward_peak = max(act.backward_peak, rows * Vd * (8 + a))
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+@dataclass
+class Plan:
+    recipe: str
+    kind: str
+    setup: Setup
+    target: Shapes
+    counts: Optional[Counts]
+    terms: Dict[str, int]  # per rank, bytes
+    budget_gb: float
+    budget_source: str
+    data: Dict[str, object]
+    checks: List[Tuple[bool, str]]
+    notes: List[str]
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget_gb * GIB
+
+    def problems(self) -> List[str]:
+        return [line for ok, line in self.checks if not ok]

@@ -1,4 +1,4 @@
-"""A model's config without its weights, for the planner (train/plan.py builds target and drafter from it on the meta
+"""A model's config without its weights, for the planner (jobs/plan.py builds target and drafter from it on the meta
 device): the converted SmolLM2 folder, a local model folder, or a hub id's public config.json shipped in
 recipes/targets/<Name>.json."""
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import BUILTIN_TARGETS
+from specdrafter.data.assets import SMOLLM2_DIR, cache_dir
 from specdrafter.recipes import RECIPES_DIR
 
 TARGETS_DIR = RECIPES_DIR / "targets"
@@ -28,9 +30,6 @@ def target_config(name: str):
 
 
 def _config_path(name: str) -> Optional[Path]:
-    from specdrafter.core.recipe import BUILTIN_TARGETS
-    from specdrafter.data.assets import SMOLLM2_DIR, cache_dir
-
     if name in BUILTIN_TARGETS:
         folder = cache_dir() / "models" / SMOLLM2_DIR
         if not (folder / "config.json").is_file():

@@ -3,15 +3,12 @@ checks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import List
 
 from omegaconf import DictConfig
 
 from specdrafter.kinds import KINDS, kind_of
-from specdrafter.train.memory import GIB, dtype_bytes, precision
-
-if TYPE_CHECKING:
-    from specdrafter.train.plan import Plan
+from specdrafter.train.memory import GIB, Plan, dtype_bytes, precision
 
 
 def _gib(n: float) -> str:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers.utils import logging as transformers_logging
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import load_recipe
+from specdrafter.jobs.recipe import load_recipe
 
 
 def cli(main: Callable[..., Any], argv: Optional[List[str]] = None, flags: Optional[Dict[str, Optional[int]]] = None,

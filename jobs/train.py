@@ -32,6 +32,8 @@ import torch
 # DeepSpeed picks its accelerator at import time: on a machine without CUDA it must be told to use the CPU.
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
+import sys
+
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -51,8 +53,10 @@ from specdrafter.core.io import (  # noqa: E402
 )
 from specdrafter.core.recipe import Recipe, load_saved_recipe, save_recipe  # noqa: E402
 from specdrafter.data.assets import load_target  # noqa: E402
-from specdrafter.eval.decode_check import decode_check  # noqa: E402
-from specdrafter.kinds import build_drafter, kind_of  # noqa: E402
+from specdrafter.jobs.cli import cli  # noqa: E402
+from specdrafter.jobs.decode import decode_check  # noqa: E402
+from specdrafter.jobs.plan import check_training_recipe, preflight  # noqa: E402
+from specdrafter.kinds import KINDS, build_drafter, kind_of, trainable_by  # noqa: E402  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
 from specdrafter.train.objectives import Objective  # noqa: E402
@@ -237,7 +241,9 @@ class Run:
 
 
 def train(cfg: DictConfig) -> Dict[str, float]:
-    """Train the recipe's drafter to the end (resuming from the newest complete checkpoint); the last held-out metrics."""
+    """Train the recipe's drafter to the end (resuming from the newest complete checkpoint); the last held-out metrics.
+    The recipe is checked against the target's config.json here, once per training, before anything loads."""
+    check_training_recipe(cfg)
     run = setup(cfg)
     bar = tqdm(total=run.total, initial=run.progress.step, disable=run.rank != 0, desc=f"train {run.cfg.drafter.kind.value}",
                unit="step")
@@ -499,3 +505,28 @@ def _run_id(out: Path) -> str:
         import uuid
         atomic_write_text(path, uuid.uuid4().hex[:12])
     return path.read_text().strip()
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def train_command(any_kind: bool = False) -> None:
+    """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume. The recipe's
+    drafter kind must be one this script trains (kinds/: launcher), or any trainable kind with `any_kind`."""
+    script = Path(sys.argv[0]).name
+    kinds = [k for k in KINDS.values() if k.trainable] if any_kind else trainable_by(script)
+
+    def check(cfg: DictConfig) -> None:
+        kind = kind_of(cfg)
+        if kind not in kinds:
+            trains = " or ".join(k.name for k in kinds) or "no drafter kind"
+            raise SpecdrafterError(f"recipe key 'drafter.kind' is {kind.name}, but {script} trains {trains}")
+        if "--print-config" in sys.argv:  # what a run would refuse (train() checks it when it runs)
+            check_training_recipe(cfg)
+
+    def main(cfg: DictConfig) -> None:
+        preflight(cfg)  # on CUDA: the memory plan before anything loads (CPU: nothing)
+        train(cfg)
+    cli(main, check=check)
+
+
+if __name__ == "__main__":  # python -m specdrafter.jobs.train (eval/scaling.py, eval/bench_train.py)
+    train_command(any_kind=True)

@@ -1,11 +1,11 @@
 """Plan a training run before anything heavy loads: memory per GPU, disk, data, and recipe sanity at cluster scale.
 
     python launch/plan.py RECIPE.yaml [key=value ...] [--nodes N] [--gpus-per-node G]
-    python -m specdrafter.train.plan RECIPE.yaml [key=value ...] [--nodes N] [--gpus-per-node G]   (the same)
+    python -m specdrafter.jobs.plan RECIPE.yaml [key=value ...] [--nodes N] [--gpus-per-node G]   (the same)
 
 The target and the drafter are built on the meta device (accelerate.init_empty_weights: no weights, no hub) from a
 config: the converted SmolLM2 folder, a local model folder, or a hub id's public config.json shipped in
-recipes/targets/<Name>.json. Memory per rank is counted term by term the way train/loop.py and DeepSpeed allocate it:
+recipes/targets/<Name>.json. Memory per rank is counted term by term the way jobs/train.py and DeepSpeed allocate it:
 
     target weights      every rank holds the frozen target in target.dtype
     drafter weights     DeepSpeed's flat weights (bf16 with train.precision=bf16, else fp32) and their fp32
@@ -28,30 +28,30 @@ This module assembles the plan (Plan, make_plan, the data facts) and runs it (pr
 parts live beside it:
     train/model_configs.py   a model's config without its weights (target_config)
     train/memory.py          the byte model: the terms above, per rank, and the kinds' activation terms
-    train/plan_checks.py     the recipe, batch and memory checks, one (ok, line) each
-    train/plan_report.py     the plan as text (format_plan)
+    jobs/plan_checks.py     the recipe, batch and memory checks, one (ok, line) each
+    jobs/plan_report.py     the plan as text (format_plan)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdrafter.core.cli import cli
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import Recipe, RecipeError
+from specdrafter.data.regenerate import hidden_states_bytes
+from specdrafter.jobs.cli import cli
+from specdrafter.jobs.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
+from specdrafter.jobs.plan_report import format_plan
 from specdrafter.kinds import KINDS, kind_of
 from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
-from specdrafter.train.memory import GIB, Counts, Setup, Shapes, activations, dtype_bytes, model_states
+from specdrafter.train.memory import GIB, Counts, Plan, Setup, Shapes, activations, dtype_bytes, model_states
 from specdrafter.train.model_configs import target_config
-from specdrafter.train.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
-from specdrafter.train.plan_report import format_plan
 
 DEFAULT_GPU_GB = 80.0
 TEMPLATE_TOKENS = 32  # chat-template tokens per turn, for token estimates without a tokenizer
@@ -85,32 +85,6 @@ def _meta_drafter(cfg: DictConfig, target):
 
 
 # --------------------------------------------------------------------------------------------------- plan
-@dataclass
-class Plan:
-    recipe: str
-    kind: str
-    setup: Setup
-    target: Shapes
-    counts: Optional[Counts]
-    terms: Dict[str, int]  # per rank, bytes
-    budget_gb: float
-    budget_source: str
-    data: Dict[str, object]
-    checks: List[Tuple[bool, str]]
-    notes: List[str]
-
-    @property
-    def total(self) -> int:
-        return sum(self.terms.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.budget_gb * GIB
-
-    def problems(self) -> List[str]:
-        return [line for ok, line in self.checks if not ok]
-
-
 def make_plan(cfg: DictConfig, recipe: str = "", setup: Optional[Setup] = None,
               budget_gb: Optional[float] = None) -> Plan:
     """The whole plan of a recipe; `budget_gb` overrides train.gpu_memory_gb (the launchers pass the device's)."""
@@ -162,8 +136,6 @@ PHASES = {"teacher": "next micro-step's teacher (the previous one's tensors stil
 def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
     """The data job behind train.data_dir (its stats.json when it ran, else its recipe's upper bound), the
     hidden-state cache's disk, and each node's share."""
-    from specdrafter.data.regenerate import hidden_states_bytes
-
     facts: Dict[str, object] = {}
     d, facts["job"] = data_job(cfg)
     stats = data_stats(cfg)

@@ -1,21 +1,18 @@
 """The planner's checks, one (ok, line) each: the recipe against the target's config and the data job's cache (before
 anything loads), the global batch against the data, and the plan's memory against the budget. A failing line names
-the recipe key to change; the launchers refuse the first failure (train/plan.py:preflight)."""
+the recipe key to change; the launchers refuse the first failure (jobs/plan.py:preflight)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
 from specdrafter.kinds import KINDS, kind_of
-from specdrafter.train.memory import GIB, Setup, Shapes
+from specdrafter.train.memory import GIB, Plan, Setup, Shapes
 from specdrafter.train.model_configs import target_config
-
-if TYPE_CHECKING:
-    from specdrafter.train.plan import Plan
 
 Check = Tuple[bool, str]
 
