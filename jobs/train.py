@@ -56,10 +56,10 @@ from specdrafter.data.assets import load_target  # noqa: E402
 from specdrafter.jobs.cli import cli  # noqa: E402
 from specdrafter.jobs.decode import decode_check  # noqa: E402
 from specdrafter.jobs.plan import check_training_recipe, preflight  # noqa: E402
-from specdrafter.kinds import KINDS, build_drafter, kind_of, trainable_by  # noqa: E402  # noqa: E402
+from specdrafter.kinds import KINDS, build_drafter, kind_of, trainable_by  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
-from specdrafter.train.objectives import Objective  # noqa: E402
+from specdrafter.train.objectives import Objective, acceptance  # noqa: E402
 
 log = logging.getLogger("specdrafter")
 
@@ -114,7 +114,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def param_groups(drafter, lr: float) -> List[dict]:
     """The trainable parameters, grouped by learning rate: a drafter may scale some (drafter.lr_scales:
-    {parameter-name prefix: factor}, e.g. Medusa-2's backbone adapter)."""
+    {parameter-name prefix: factor})."""
     scales = getattr(drafter, "lr_scales", {})
     groups: Dict[float, list] = {}
     for name, p in drafter.module.named_parameters():
@@ -140,20 +140,15 @@ def autocast(tc: DictConfig, device: torch.device):
 # ------------------------------------------------------------------------------------------ objectives
 @torch.no_grad()
 def acceptance_sums(pred: Prediction, temperature: float) -> torch.Tensor:
-    """[Σ α̂, Σ top-1 agreement, count] over the masked positions. α̂ = Σ_v min(p(v), q(v)) at the serving
-    temperature: the chance that exact speculative sampling accepts the drafted token there (= 1 − D_TV)."""
-    q = torch.softmax(pred.draft_logits.float() / temperature, -1)  # [N, Vd]
+    """[Σ α̂, Σ top-1 agreement, count] over the masked positions: α̂ at the serving temperature
+    (train/objectives.py:acceptance), top-1 whether the draft's most likely token is the target's."""
+    alpha = acceptance(pred.target_logits, pred.draft_logits, temperature, pred.target_lse, pred.draft_ids)  # [N]
     draft_top = pred.draft_logits.argmax(-1)  # [N]
-    if pred.target_lse is not None:  # draft-vocabulary target rows + the full vocabulary's normaliser
-        p = torch.exp(pred.target_logits / temperature - pred.target_lse[:, None])  # [N, Vd] full-vocabulary p(draft tokens)
-        top1 = (pred.loss_rows & (draft_top == pred.target_logits.argmax(-1))).float()  # [N] the target's top is a draft token
+    if pred.target_lse is not None:  # draft-vocabulary target rows: the target's top is a draft token on loss_rows
+        top1 = (pred.loss_rows & (draft_top == pred.target_logits.argmax(-1))).float()  # [N]
     else:
-        p = torch.softmax(pred.target_logits / temperature, -1)  # [N, V]
-        if pred.draft_ids is not None:
-            p = p[:, pred.draft_ids]  # q is zero outside the draft vocabulary
-            draft_top = pred.draft_ids[draft_top]
+        draft_top = pred.draft_ids[draft_top] if pred.draft_ids is not None else draft_top
         top1 = (draft_top == pred.target_logits.argmax(-1)).float()  # [N]
-    alpha = torch.minimum(p, q).sum(-1)  # [N]
     return torch.stack([alpha.sum(), top1.sum(), torch.tensor(float(len(alpha)), device=alpha.device)])
 
 
@@ -391,8 +386,8 @@ def finish(run: Run) -> Dict[str, float]:
 
 
 def micro_batch_loss(drafter, engine, target, batch, layers, tc: DictConfig, device):
-    """One micro-batch's training loss: the target's rows, the drafter's predictions, Σ weight · objective (+ the
-    EAGLE-1 feature term). Returns (loss, {prediction name: its objective})."""
+    """One micro-batch's training loss: the target's rows, the drafter's predictions, Σ of their
+    `Prediction.loss`. Returns (loss, {prediction name: its objective})."""
     with autocast(tc, device):
         target_out = run_target(target, batch, layers, drafter.teacher_ids, tc.temperature, param_dtype(engine))
         predictions = drafter.predictions(engine.module, batch, target_out)

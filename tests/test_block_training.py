@@ -115,9 +115,9 @@ def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target
     total = sum(p.loss(objective)[0] for p in predictions)
     total.backward()
     assert confidence.weight.grad is not None and confidence.weight.grad.abs().sum() > 0
-    assert all(p.feature_loss is not None and p.feature_loss > 0 for p in predictions)
+    assert all(p.confidence_loss is not None and p.confidence_loss > 0 for p in predictions)
     plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, "dspark")
-    assert all(p.feature_loss is None for p in plain.predictions(plain.module, batch, teacher))
+    assert all(p.confidence_loss is None for p in plain.predictions(plain.module, batch, teacher))
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dspark"])
@@ -159,7 +159,7 @@ def test_block_recipe_settings_that_cannot_work_are_one_line(recipe_name, overri
 def test_the_confidence_target_is_the_acceptance_over_the_whole_vocabulary():
     """With a pruned vocabulary the teacher's mass outside it counts as never accepted: α equals 1 − TV computed over
     the full vocabulary with the draft's q zero outside its tokens."""
-    from specdrafter.train.block import acceptance
+    from specdrafter.train.objectives import acceptance
     from specdrafter.train.objectives import per_position
     torch.manual_seed(0)
     z, ids = torch.randn(5, V) * 3, torch.tensor([1, 4, 9, 20, 33, 50])

@@ -36,6 +36,7 @@ from specdrafter.models.block import (
 from specdrafter.train.batches import Batch
 from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput
 from specdrafter.train.eagle import build_draft_vocab
+from specdrafter.train.objectives import acceptance
 
 
 def drafter_config(cfg: DictConfig, target_config, variant: str):
@@ -108,31 +109,20 @@ class BlockTrainingDrafter:
             draft = drafts.logits[b, n, j]  # [R_j, Vd]
             teacher = target.logits[index]  # [R_j, V] (or [R_j, Vd] with a pruned vocabulary's teacher rows)
             lse = target.lse[index] if target.lse is not None else None  # [R_j] with a pruned vocabulary
-            extra = None
+            confidence = None
             if drafts.confidence is not None and self.confidence_weight:
                 accept = acceptance(teacher, draft.detach(), self.temperature, lse)  # [R_j] α of each draft
-                extra = self.confidence_weight * F.binary_cross_entropy_with_logits(
+                confidence = self.confidence_weight * F.binary_cross_entropy_with_logits(
                     drafts.confidence[b, n, j].float(), accept) if len(b) else draft.sum() * 0.0
             pruned = self.teacher_ids is not None
             out.append(Prediction(f"draft{j + 1}", self.weight(j), draft, teacher, module.draft_ids if pruned else None,
                                   # as EAGLE-3: rows whose top token the draft vocabulary lacks teach it nothing useful
                                   loss_rows=target.top_in_vocab[index] if pruned else None,
-                                  target_lse=lse, feature_loss=extra))
+                                  target_lse=lse, confidence_loss=confidence))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:
         save_block_drafter(module, folder)
-
-
-def acceptance(teacher: torch.Tensor, draft: torch.Tensor, temperature: float,
-               lse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """α = Σ_v min(p_v, q_v) = 1 − TV(p, q) per row at `temperature`: teacher and draft logits [R, Vd]. With a pruned
-    vocabulary the teacher's rows are its draft-vocabulary logits and lse [R] its log-normaliser over the whole
-    vocabulary, so p is the target's true probability (its mass outside the draft vocabulary can never be accepted)."""
-    t = teacher.float() / temperature
-    p = (t - lse[:, None]).exp() if lse is not None else t.softmax(-1)  # [R, Vd]
-    q = (draft.float() / temperature).softmax(-1)  # [R, Vd]
-    return torch.minimum(p, q).sum(-1)
 
 
 def check_mask_token(mask_token_id: int, data, tokenizer) -> None:

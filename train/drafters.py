@@ -52,13 +52,14 @@ class Prediction:
     target_logits: torch.Tensor  # [N, V] the target's rows for the same tokens (no gradient)
     draft_ids: Optional[torch.Tensor] = None  # [Vd] target id of each draft-vocabulary entry (None: full vocabulary)
     loss_rows: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
-    feature_loss: Optional[torch.Tensor] = None  # EAGLE-1's feature regression, added to the loss as is
+    feature_loss: Optional[torch.Tensor] = None  # EAGLE-1's feature regression, weighted, added to the loss as is
+    confidence_loss: Optional[torch.Tensor] = None  # DSpark's confidence head BCE, weighted, added to the loss as is
     # When set, target_logits hold only the draft vocabulary's rows [N, Vd] and target_lse [N] is the log of the
     # target's normaliser over its *full* vocabulary at the training temperature (see `teacher_rows`).
     target_lse: Optional[torch.Tensor] = None
 
     def loss(self, objective: Objective) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This prediction's training loss — (weight · objective + EAGLE-1's feature term, the objective alone):
+        """This prediction's training loss — (weight · objective + its extra terms, the objective alone):
         the target's rows sliced to the draft vocabulary (unless `teacher_rows` already did), `objective` (the
         recipe's: train/objectives.py:Objective.of) over the `loss_rows`, times `weight` (1 for a draft model;
         Medusa head i: heads_weight · decay^i; EAGLE TTT step j: step_decay^j, 0.8^j by default)."""
@@ -68,7 +69,7 @@ class Prediction:
         if rows is None:
             rows = torch.ones(len(teacher), dtype=torch.bool, device=teacher.device)  # [N]
         value = objective(teacher, self.draft_logits, rows)
-        extra = self.feature_loss if self.feature_loss is not None else 0.0
+        extra = sum(term for term in (self.feature_loss, self.confidence_loss) if term is not None)
         return self.weight * value + extra, value
 
 

@@ -37,6 +37,23 @@ def total_variation(log_p: Tensor, log_q: Tensor) -> Tensor:
     return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)  # [...]
 
 
+def acceptance(target_logits: Tensor, draft_logits: Tensor, temperature: float, target_lse: Tensor | None = None,
+               draft_ids: Tensor | None = None) -> Tensor:
+    """α = Σ_v min(p_v, q_v) = 1 − TV(p, q) per row at `temperature`: the chance that exact speculative sampling
+    accepts the drafted token. draft_logits [N, Vd]; target_logits [N, V], or with target_lse [N] (the log of the
+    target's normaliser over its whole vocabulary) its draft-vocabulary rows [N, Vd], so p is the target's true
+    probability; draft_ids [Vd] (target id of each draft-vocabulary entry) slices a full-vocabulary p. Either way
+    the target's mass outside the draft vocabulary can never be accepted."""
+    t = target_logits.float() / temperature
+    if target_lse is not None:
+        p = (t - target_lse[:, None]).exp()  # [N, Vd]
+    else:
+        p = t.softmax(-1)  # [N, V]
+        p = p[:, draft_ids] if draft_ids is not None else p  # q is zero outside the draft vocabulary
+    q = (draft_logits.float() / temperature).softmax(-1)  # [N, Vd]
+    return torch.minimum(p, q).sum(-1)  # [N]
+
+
 def forward_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
     return _kl(log_p.exp(), log_p, log_q)
 
