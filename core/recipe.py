@@ -228,9 +228,9 @@ class BlockConfig:
     """DFlash and DSpark (models/block.py, docs/block-drafters.md)."""
     num_layers: int = checked(1, AT_LEAST_ONE)  # backbone decoder layers at the target's width
     block_size: int = checked(8, Rule(lambda v: v >= 2, ">= 2 (the anchor and at least one masked slot)"))
-    # Target layer OUTPUTS read (DFlash's convention: HF hidden_states[k + 1]), increasing, never the last layer's;
-    # empty = round(linspace(1, L − 3, num_features)).
-    target_layer_ids: List[int] = checked([], NON_NEGATIVE)
+    # The target features read: id k is the input to layer k (HF hidden_states[k]), as drafter.eagle.aux_layer_ids;
+    # increasing, within 1..L − 1; empty = the inputs of layers round(linspace(1, L − 3, num_features)) + 1.
+    aux_layer_ids: List[int] = checked([], AT_LEAST_ONE)
     num_features: int = checked(5, AT_LEAST_ONE)
     # An unused row of the target's embedding that fills the block's masked slots (16: SmolLM2's <empty_output>);
     # training refuses one that occurs in its data.
@@ -616,10 +616,19 @@ def _leaves(node, prefix: str = ""):
 STRING_LISTS = ("data.exclude", "data.servers", "drafter.lora.target_modules", "eval.sets")  # List[str] keys
 
 
+# Keys of other tools' recipes whose values mean something else here: a near-miss hint would mislead.
+OTHER_SPELLINGS = {
+    "drafter.block.target_layer_ids": "that is DFlash's spelling, layer outputs; here every feature layer is named by "
+                                      "its input, as in drafter.eagle.aux_layer_ids: drafter.block.aux_layer_ids = "
+                                      "each id + 1"}
+
+
 def _explain(e: OmegaConfBaseException, schema: DictConfig) -> str:
     key = e.full_key or "?"
     first_line = (e.msg or str(e)).splitlines()[0] if (e.msg or str(e)) else type(e).__name__
     if isinstance(e, ConfigKeyError):
+        if key in OTHER_SPELLINGS:
+            return f"unknown recipe key {key!r}: {OTHER_SPELLINGS[key]}"
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(schema, parent) if parent else schema
         valid = [f"{parent}.{k}" if parent else k for k in node.keys()] if isinstance(node, DictConfig) else []

@@ -9,12 +9,12 @@
                            sample_from_anchor true. Tensors under our names.
     --format speculators   the speculators library's DFlashSpeculator / DSparkSpeculator: speculators_model_type,
                            speculators_config (verifier, speculative_tokens), transformer_layer_config, and
-                           aux_hidden_state_layer_ids = our ids + 1 (it names a layer's input); `vllm serve DIR`.
+                           aux_hidden_state_layer_ids = our ids (it names a layer's input, as we do); `vllm serve DIR`.
 
-Layer ids. Ours are layer outputs (HF hidden_states[k + 1]). vLLM and SGLang read `target_layer_ids` the same way
-and add 1 internally (vLLM's get_eagle3_aux_layers_from_config; SGLang's set_dflash_layers_to_capture captures
-before layer k + 1), so both folders carry our ids unchanged; speculators' aux_hidden_state_layer_ids are layer
-inputs (vLLM's speculators adapter subtracts 1 again).
+Layer ids. Ours are layer inputs (HF hidden_states[k], models/features.py). DFlash's `dflash_config.target_layer_ids`
+name layer outputs, so the vllm / sglang folders carry our ids − 1 — the one place the convention changes (`engine_keys`)
+— and the engines add the 1 back (vLLM's get_eagle3_aux_layers_from_config; SGLang's set_dflash_layers_to_capture
+captures before layer k + 1); speculators' aux_hidden_state_layer_ids are layer inputs, ours unchanged.
 
 Vocabulary. A full-vocabulary drafter ships no lm_head, d2t or t2d: every engine borrows the target's lm_head (and
 vLLM fails on a d2t it has no parameter for). A pruned one needs its own lm_head [Vd, d] and d2t (vLLM refuses a
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # annotations only
 FORMATS = ("vllm", "sglang", "speculators")
 MARKOV_HEAD_TYPE = "vanilla"  # ours: logits += W2(W1[prev]), no gate, no recurrence
 # config.json keys that are not the backbone layer's: ours only, or written again where each layout puts them
-NOT_LAYER = ("variant", "target_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head", "draft_vocab_size",
+NOT_LAYER = ("variant", "aux_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head", "draft_vocab_size",
              "block_size", "num_target_layers", "target_hidden_size", "architectures", "_name_or_path")
 
 
@@ -90,12 +90,12 @@ def layer_config(raw: dict) -> dict:
 
 
 def engine_keys(kind: BlockKind, c) -> dict:
-    """What vLLM's and SGLang's loaders read beside the layer config. The ids stay layer outputs: both engines add
-    the 1 themselves."""
+    """What vLLM's and SGLang's loaders read beside the layer config. `target_layer_ids` are DFlash's layer outputs:
+    our layer inputs − 1 (both engines add the 1 back themselves)."""
     keys = {"block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_hidden_size": c.target_hidden_size or c.hidden_size,
             "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
-            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)}}
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [k - 1 for k in c.aux_layer_ids]}}
     return {**keys, **head_keys(kind, c)}
 
 
@@ -123,7 +123,7 @@ def speculators_config(kind: BlockKind, c, layer: dict, target: Target, src: Sou
                 "verifier": {"name_or_path": target.hub_id or target.name, "architectures": target.architectures}},
             "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
             "target_hidden_size": c.target_hidden_size or c.hidden_size, "block_size": c.block_size,
-            "aux_hidden_state_layer_ids": [k + 1 for k in c.target_layer_ids],  # layer inputs: ours + 1
+            "aux_hidden_state_layer_ids": list(c.aux_layer_ids),  # layer inputs, as ours
             "mask_token_id": c.mask_token_id, "sample_from_anchor": kind.variant.label_shift,
             **{k: v for k, v in head_keys(kind, c).items() if k != "sample_from_anchor"}}
 
@@ -235,4 +235,5 @@ def convention(folder: Path, fmt: str) -> str:
             f"`hidden_states[k + 1]`, DFlash's convention), which the drafter was trained on. vLLM and SGLang read "
             f"them the same way and capture the inputs to layers {[k + 1 for k in ids]} (vLLM adds 1 in "
             "`get_eagle3_aux_layers_from_config`, SGLang in `set_dflash_layers_to_capture`), so this one folder is "
-            "right for both. The last layer's output is never among them: HF reports it after the final norm.")
+            "right for both. They are specdrafter's `aux_layer_ids` {[k + 1 for k in ids]} − 1. The last layer's output is "
+            "never among them: HF reports it after the final norm.")

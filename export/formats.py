@@ -17,8 +17,8 @@ it to the Hugging Face Hub.
                                {i}.{L}.weight; 5 heads only (the repo's loader builds 5 whatever the config says)
     draft_model   hf-draft     a plain HF causal LM with the target's tokenizer
     dflash,       vllm         the z-lab / DeepSpec layout vLLM and SGLang load (export/block.py): layers.N.*, fc,
-    dspark        sglang       hidden_norm, norm (DSpark: markov_head.*, confidence_head.*); target_layer_ids as
-                               layer outputs in dflash_config; a pruned vocabulary adds the target's lm_head rows
+    dspark        sglang       hidden_norm, norm (DSpark: markov_head.*, confidence_head.*); our layer ids − 1 as
+                               dflash_config.target_layer_ids; a pruned vocabulary adds the target's lm_head rows
                                and d2t (vllm only: SGLang cannot read one)
                   speculators  the speculators library's DFlash / DSpark speculator (`vllm serve DIR`)
 

@@ -17,7 +17,7 @@ from specdrafter.models.block import (
     BlockDrafter,
     Variant,
     block_variant,
-    default_target_layer_ids,
+    default_aux_layer_ids,
     load_block_drafter,
 )
 from specdrafter.train import memory
@@ -86,10 +86,10 @@ class BlockKind(Kind):
         return BlockTrainingDrafter(cfg, target, self.name, data, tokenizer)
 
     def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
-        """The outputs of target_layer_ids (ours: id + 1) and the last layer's, from which the teacher's logits come."""
+        """aux_layer_ids and the last layer's output, from which the teacher's logits come."""
         b = cfg.drafter.block
-        ids = list(b.target_layer_ids) or default_target_layer_ids(num_layers, b.num_features)
-        return sorted({k + 1 for k in ids} | {num_layers})
+        ids = list(b.aux_layer_ids) or default_aux_layer_ids(num_layers, b.num_features)
+        return sorted({*ids, num_layers})
 
     # ----------------------------------------------------------------------------------------- decoding
     def proposer(self, cfg, target, path):
@@ -116,13 +116,13 @@ class BlockKind(Kind):
     def planner_checks(self, cfg, T, config_of):
         b = cfg.drafter.block
         try:
-            ids = list(b.target_layer_ids) or default_target_layer_ids(T.layers, b.num_features)
+            ids = list(b.aux_layer_ids) or default_aux_layer_ids(T.layers, b.num_features)
         except Exception as e:  # too few target layers for the default spread
             return [(False, str(e))]
-        bad = [k for k in ids if not 0 <= k <= T.layers - 2]
-        return [(not bad, f"recipe key 'drafter.block.target_layer_ids': layer output {bad[0]} is outside 0..{T.layers - 2}"
-                          f" (the last layer's output, {T.layers - 1}, is after the final norm)" if bad else
-                 f"target layer outputs {ids} within 0..{T.layers - 2}"),
+        bad = [k for k in ids if not 1 <= k <= T.layers - 1]
+        return [(not bad, f"recipe key 'drafter.block.aux_layer_ids': layer input {bad[0]} is outside 1..{T.layers - 1}"
+                          f" (the last layer's output, {T.layers}, is after the final norm)" if bad else
+                 f"target layer inputs {ids} within 1..{T.layers - 1}"),
                 (b.mask_token_id < T.vocab, f"recipe key 'drafter.block.mask_token_id' ({b.mask_token_id}) is outside "
                                             f"the target's embedding of {T.vocab} rows" if b.mask_token_id >= T.vocab
                  else f"mask token {b.mask_token_id} within the target's {T.vocab} rows")]
@@ -133,11 +133,11 @@ class BlockKind(Kind):
 
     # -------------------------------------------------------------------------------------- conformance
     def reference_step(self, module, target, hidden_states, ids) -> dict:
-        """One block at position 4 after the context 0..3 (HF hidden_states: index k + 1 is layer k's output). Also
+        """One block at position 4 after the context 0..3 (HF hidden_states: index k is the input to layer k). Also
         every layer's states of the context, from which a check picks the features by the engine's own reading of
         the folder's ids, and DSpark's first draft through its heads (prev = the anchor)."""
         t = 4
-        context = torch.cat([hidden_states[k + 1][:, :t] for k in module.config.target_layer_ids], -1)  # [1, t, m·d]
+        context = torch.cat([hidden_states[k][:, :t] for k in module.config.aux_layer_ids], -1)  # [1, t, m·d]
         cache = module.new_cache()
         module.extend_context(cache, context)
         anchor = ids[0, t:t + 1]
@@ -151,9 +151,9 @@ class BlockKind(Kind):
                 "target_embed": target.get_input_embeddings().weight, "target_lm_head": target.get_output_embeddings().weight}
 
     def conformance_variants(self) -> Dict[str, List[str]]:
-        """A tiny drafter over three target layer outputs with the full vocabulary, and one with a pruned vocabulary
+        """A tiny drafter over three target layers with the full vocabulary, and one with a pruned vocabulary
         (which the vllm and speculators exports carry with the target's lm_head rows, and SGLang cannot read)."""
-        tiny = ["drafter.block.num_layers=2", "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0,1,2]",
+        tiny = ["drafter.block.num_layers=2", "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1,2,3]",
                 "drafter.block.markov_rank=8"]
         return {f"{self.name}-full": [*tiny, "drafter.block.draft_vocab_size=0"],
                 f"{self.name}-pruned": [*tiny, "drafter.block.draft_vocab_size=1024"]}

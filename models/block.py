@@ -2,7 +2,7 @@
 of a small transformer that reads the target's hidden states.
 
 The backbone. `num_hidden_layers` decoder layers at the target's width, each a Qwen3-style layer (per-head RMSNorm
-on queries and keys). The target features — the outputs of the target layers `target_layer_ids` — are concatenated
+on queries and keys). The target features — the inputs of the target layers `aux_layer_ids` — are concatenated
 and fused once, H = hidden_norm(fc(concat)), fc: m·d_t → d without bias. Every layer attends from the block's slots
 over [its own keys of H ; its keys of the block] (k_norm and RoPE on both; H does not pass through the layer's input
 norm); the queries come from the block only. A block at anchor position a is [x_a, MASK × (B−1)], embedded with the
@@ -17,11 +17,11 @@ The variants. Draft j (0-based) of a block always predicts x_{a+1+j}:
             logits_j = U_j + W2(W1[prev_j]) with prev_0 = the anchor and prev_j = draft j−1 (the true token in
             training), and a confidence head c_j = σ(proj([h_j ; W1[prev_j]]))
 
-Layer ids. `target_layer_ids` read as layer *outputs*, DFlash's convention (HF `hidden_states[k + 1]`): id k is
-the output of target layer k, which is our id k + 1 in models/features.py (the input to layer k + 1); the drafter's
-`feature_layers` lists them in ours. Id L − 1, the last layer's output, is refused: unlike every other id, HF's
-hidden_states report it after the final norm, so which state a drafter trained on it reads would depend on who
-captured it.
+Layer ids. `aux_layer_ids` are the project's one convention (models/features.py): id k is the *input* to target
+layer k, HF's `hidden_states[k]`. The engines' `dflash_config.target_layer_ids` name layer outputs (id − 1); the
+exports and `engine_layout` convert at that boundary and nowhere else. Valid ids are 1..L − 1: id 0 (the token
+embedding) has no output spelling, and id L, the last layer's output, is one HF reports after the final norm and
+the engines' capture loops never reach.
 
 Tensor names are the ones vLLM's DFlashDraftModel loads: layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.
 {q_norm,k_norm}, layers.N.mlp.{gate,up,down}_proj, layers.N.{input_layernorm,post_attention_layernorm}, fc,
@@ -70,7 +70,7 @@ class BlockDrafterConfig(Qwen3Config):
     variant: str = "dflash"  # "dflash" | "dspark" (VARIANTS)
     block_size: int = 16  # slots per block: the anchor and block_size − 1 masks
     mask_token_id: int = DEFAULT_MASK_TOKEN_ID  # an unused row of the target's embedding
-    target_layer_ids: list[int] | None = None  # target layer outputs read (DFlash's convention), increasing
+    aux_layer_ids: list[int] | None = None  # the target features read: id k = the input to layer k, increasing
     num_target_layers: int = 0  # 0: unknown until the drafter meets its target (inference/block.py fills it in)
     target_hidden_size: int | None = None  # the features' width d_t (None: hidden_size)
     draft_vocab_size: int | None = None  # None: the full vocabulary
@@ -80,7 +80,7 @@ class BlockDrafterConfig(Qwen3Config):
 
 def config_problem(c: BlockDrafterConfig) -> Optional[str]:
     """What makes `c` a drafter we cannot build or that would read the wrong features (None: nothing)."""
-    L, ids = c.num_target_layers, list(c.target_layer_ids or [])
+    L, ids = c.num_target_layers, list(c.aux_layer_ids or [])
     if c.variant not in VARIANTS:
         return f"variant = {c.variant!r} (known: {', '.join(map(repr, VARIANTS))})"
     if c.num_hidden_layers < 1:
@@ -90,15 +90,15 @@ def config_problem(c: BlockDrafterConfig) -> Optional[str]:
     if not 0 <= c.mask_token_id < c.vocab_size:
         return f"mask_token_id = {c.mask_token_id} is outside the target's embedding (rows 0..{c.vocab_size - 1})"
     if not ids:
-        return "target_layer_ids is empty; the drafter reads at least one target layer"
-    if L and L - 1 in ids:  # num_target_layers 0: not known yet (a speculators folder), checked against the target
-        return (f"target_layer_ids names {L - 1}, the last layer's output, which the target reports after its final "
-                f"norm; use layer outputs 0..{L - 2}")
-    bad = next((k for k in ids if not 0 <= k <= (L - 2 if L else k)), None)
+        return "aux_layer_ids is empty; the drafter reads at least one target layer"
+    if L and L in ids:  # num_target_layers 0: not known yet (a speculators folder), checked against the target
+        return (f"aux_layer_ids names {L}, the last layer's output, which the target reports after its final norm; "
+                f"use layer inputs 1..{L - 1}")
+    bad = next((k for k in ids if not 1 <= k <= (L - 1 if L else k)), None)
     if bad is not None:
-        return f"target_layer_ids names {bad}, outside 0..{L - 2} (the outputs of a target with {L} layers)"
+        return f"aux_layer_ids names {bad}, outside 1..{L - 1} (the layer inputs of a target with {L} layers)"
     if ids != sorted(set(ids)):
-        return f"target_layer_ids = {ids} {'repeat a layer' if len(set(ids)) < len(ids) else 'are not increasing'}"
+        return f"aux_layer_ids = {ids} {'repeat a layer' if len(set(ids)) < len(ids) else 'are not increasing'}"
     if c.draft_vocab_size is not None and not 1 <= c.draft_vocab_size <= c.vocab_size:
         return f"draft_vocab_size = {c.draft_vocab_size}; expected 1..{c.vocab_size} (the target's vocabulary)"
     if c.markov_rank < 0:
@@ -114,23 +114,23 @@ def check_config(c: BlockDrafterConfig, where: str) -> None:
         raise SpecdrafterError(f"{where}: {problem}")
 
 
-def default_target_layer_ids(num_layers: int, count: int = 5) -> List[int]:
-    """round(linspace(1, L − 3, count)) as layer outputs (Python's round, half to even, as the upstream trainers'):
-    [1, 8, 14, 20, 27] for SmolLM2's 30 layers. Never the last layer's output."""
+def default_aux_layer_ids(num_layers: int, count: int = 5) -> List[int]:
+    """The upstream trainers' default, the outputs of layers round(linspace(1, L − 3, count)) (Python's round, half
+    to even), as layer inputs: [2, 9, 15, 21, 28] for SmolLM2's 30 layers. Never the last layer's output."""
     span = num_layers - 4
-    ids = [round(1 + i * span / (count - 1)) for i in range(count)] if count > 1 else [1]
-    if span < 0 or len(set(ids)) < count:
+    outputs = [round(1 + i * span / (count - 1)) for i in range(count)] if count > 1 else [1]
+    if span < 0 or len(set(outputs)) < count:
         raise SpecdrafterError(f"a target with {num_layers} layers has no {count} distinct default feature layers "
-                               f"between 1 and L − 3; pass target_layer_ids")
-    return ids
+                               f"between 2 and L − 2; pass aux_layer_ids")
+    return [k + 1 for k in outputs]
 
 
 def block_config(target_config, variant: str, num_layers: int = 1, block_size: int = 16,
-                 target_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
+                 aux_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
                  markov_rank: Optional[int] = None, enable_confidence_head: Optional[bool] = None,
                  draft_vocab_size: int = 0, num_features: int = 5) -> BlockDrafterConfig:
-    """A block drafter of `num_layers` layers with the target's dimensions. target_layer_ids: layer outputs (None:
-    `default_target_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the variant's own (DSpark
+    """A block drafter of `num_layers` layers with the target's dimensions. aux_layer_ids: layer inputs (None:
+    `default_aux_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the variant's own (DSpark
     256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary."""
     t = target_config
     L = t.num_hidden_layers
@@ -146,8 +146,7 @@ def block_config(target_config, variant: str, num_layers: int = 1, block_size: i
         max_position_embeddings=t.max_position_embeddings, initializer_range=t.initializer_range,
         vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size or None, block_size=block_size,
         mask_token_id=mask_token_id,
-        target_layer_ids=list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
-            L, num_features),
+        aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(L, num_features),
         num_target_layers=L, target_hidden_size=t.hidden_size,
         markov_rank=(DEFAULT_MARKOV_RANK if heads else 0) if markov_rank is None else markov_rank,
         enable_confidence_head=heads if enable_confidence_head is None else enable_confidence_head,
@@ -293,7 +292,7 @@ class BlockDrafter(nn.Module):
         d, V = config.hidden_size, config.vocab_size
         Vd, r = config.draft_vocab_size or V, config.markov_rank
         self.layers = nn.ModuleList(BlockDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(config.target_layer_ids) * (config.target_hidden_size or d), d, bias=False)
+        self.fc = nn.Linear(len(config.aux_layer_ids) * (config.target_hidden_size or d), d, bias=False)
         self.hidden_norm = Qwen3RMSNorm(d, config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(d, config.rms_norm_eps)
         self.markov_head = MarkovHead(V, Vd, r) if r else None
@@ -326,8 +325,8 @@ class BlockDrafter(nn.Module):
 
     @property
     def feature_layers(self) -> List[int]:
-        """The target features read, as models/features.py ids (the output of layer k is the input to layer k + 1)."""
-        return [k + 1 for k in self.config.target_layer_ids]
+        """The target features read (models/features.py ids)."""
+        return list(self.config.aux_layer_ids)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -506,17 +505,17 @@ def block_variant(config: dict) -> Optional[str]:
 
 def engine_layout(config: dict) -> Optional[dict]:
     """Our config.json for a folder in an engine's layout (None: not one). vLLM / SGLang (z-lab, DeepSpec): the layer
-    config at top level, `dflash_config` holding target_layer_ids (layer outputs, as ours) and mask_token_id.
-    speculators: `transformer_layer_config`, and aux_hidden_state_layer_ids that are layer inputs (ours + 1)."""
+    config at top level, `dflash_config` holding target_layer_ids (layer outputs: ours − 1) and mask_token_id.
+    speculators: `transformer_layer_config`, and aux_hidden_state_layer_ids (layer inputs, as ours)."""
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     if isinstance(config.get("dflash_config"), dict):
         variant = next((ENGINE_ARCHITECTURES[a] for a in archs if a in ENGINE_ARCHITECTURES), None)
-        layer, ids = dict(config), config["dflash_config"].get("target_layer_ids")
-        mask = config["dflash_config"].get("mask_token_id")
+        layer, outputs = dict(config), config["dflash_config"].get("target_layer_ids")
+        ids, mask = [k + 1 for k in outputs] if isinstance(outputs, list) else None, config["dflash_config"].get("mask_token_id")
     elif isinstance(config.get("transformer_layer_config"), dict):
         variant = next((SPECULATORS_TYPES[a] for a in archs if a in SPECULATORS_TYPES), None)
-        layer, aux = dict(config["transformer_layer_config"]), config.get("aux_hidden_state_layer_ids")
-        ids, mask = [k - 1 for k in aux] if isinstance(aux, list) else None, config.get("mask_token_id")
+        layer, ids = dict(config["transformer_layer_config"]), config.get("aux_hidden_state_layer_ids")
+        mask = config.get("mask_token_id")
         layer.pop("num_target_layers", None)  # not the verifier's: speculators does not record its depth
     else:
         return None
@@ -530,7 +529,7 @@ def engine_layout(config: dict) -> Optional[dict]:
         ours["draft_vocab_size"] = None  # the full vocabulary
     ours.pop("rope_theta", None)
     ours.pop("rope_scaling", None)
-    return {**ours, "variant": variant, "architectures": [VARIANTS[variant].architecture], "target_layer_ids": ids,
+    return {**ours, "variant": variant, "architectures": [VARIANTS[variant].architecture], "aux_layer_ids": ids,
             "mask_token_id": mask, "tie_word_embeddings": False}
 
 
@@ -573,6 +572,10 @@ def load_block_drafter(folder: str | Path, variant: Optional[str] = None, dtype:
     if engine:
         raw = engine_layout(raw)
         weights = engine_weights(weights, raw)
+    elif "target_layer_ids" in raw:
+        raise SpecdrafterError(f"{str(folder / 'config.json')!r}: target_layer_ids is the engines' spelling (layer "
+                               "outputs); a specdrafter folder names its features aux_layer_ids, the layer inputs "
+                               f"(here {[k + 1 for k in raw['target_layer_ids']]})")
     try:
         config = BlockDrafterConfig.from_dict(raw)
     except (StrictDataclassError, TypeError, ValueError) as e:  # a value of another type than the field's

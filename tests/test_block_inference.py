@@ -29,7 +29,7 @@ def small_target(vocab: int, seed: int = 0, sharpen: float = 1.0):
 
 def drafter_for(target, variant: str, seed: int = 1, sharpen: float = 1.0, **overrides) -> BlockDrafter:
     torch.manual_seed(seed)
-    settings = dict(num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=target.config.vocab_size - 1,
+    settings = dict(num_layers=1, block_size=4, aux_layer_ids=[1, 3], mask_token_id=target.config.vocab_size - 1,
                     markov_rank=4 if variant == "dspark" else 0)
     settings.update(overrides)
     drafter = BlockDrafter(block_config(target.config, variant, **settings)).eval()
@@ -148,11 +148,11 @@ def test_a_drafter_for_another_target_and_a_length_rule_without_a_head_are_one_l
 
 
 def test_asd_on_a_block_drafter_with_no_budget_is_the_target_greedy_output_and_with_one_spends_it():
-    from specdrafter.inference.decode import ASDSettings
+    from specdrafter.core.recipe import ASDConfig
     target = small_target(64, sharpen=8.0)
     proposer = BlockProposer(drafter_for(target, "dspark", sharpen=4.0), target)
     prompt = [3, 9, 12]
-    strict = speculative_generate(target, proposer, prompt, 24, GREEDY, 3, asd=ASDSettings(budget=0.0))
+    strict = speculative_generate(target, proposer, prompt, 24, GREEDY, 3, asd=ASDConfig(budget=0.0))
     assert strict.tokens == target_greedy(target, prompt, 24) and strict.asd_regret == 0
-    loose = speculative_generate(target, proposer, prompt, 24, GREEDY, 3, asd=ASDSettings(budget=50.0, gate=50.0))
+    loose = speculative_generate(target, proposer, prompt, 24, GREEDY, 3, asd=ASDConfig(budget=50.0, gate=50.0))
     assert 0 < loose.asd_regret <= 50.0 and len(loose.cycles) <= len(strict.cycles)

@@ -17,7 +17,7 @@ from specdrafter.models.block import (
     block_config,
     context_mask,
     copy_target_layers,
-    default_target_layer_ids,
+    default_aux_layer_ids,
     load_block_drafter,
     save_block_drafter,
     slot_mask,
@@ -26,7 +26,7 @@ from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
 from specdrafter.models.features import capture_features
 
 V, L, S, T = 256, 8, 4, 12  # vocabulary, target layers, block size, sequence length
-IDS = [0, 2, 5]  # target layer outputs the test drafters read
+IDS = [1, 3, 6]  # target layer inputs the test drafters read
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def target():
 
 def make_drafter(target, kind, seed=1, **overrides):
     torch.manual_seed(seed)
-    settings = dict(num_layers=2, block_size=S, target_layer_ids=IDS, markov_rank=8 if kind == "dspark" else 0)
+    settings = dict(num_layers=2, block_size=S, aux_layer_ids=IDS, markov_rank=8 if kind == "dspark" else 0)
     settings.update(overrides)
     return BlockDrafter(block_config(target.config, kind, **settings)).eval()
 
@@ -47,9 +47,9 @@ def batch(target):
     """Target features of two random sequences, their tokens and overlapping anchors (0 has no context at all)."""
     torch.manual_seed(2)
     tokens = torch.randint(3, V, (2, T))
-    with capture_features(target, [k + 1 for k in IDS]) as captured, torch.no_grad():
+    with capture_features(target, IDS) as captured, torch.no_grad():
         target(input_ids=tokens)
-        features = torch.cat([captured[k + 1] for k in IDS], dim=-1)  # [2, T, 3·d]
+        features = torch.cat([captured[k] for k in IDS], dim=-1)  # [2, T, 3·d]
     anchors = torch.tensor([[0, 3, 4, 9], [2, 5, 6, 8]])  # blocks of 4 overlap: 3..6 and 4..7
     return features, tokens, anchors
 
@@ -62,10 +62,10 @@ def run(drafter, target, features, tokens, anchors):
 
 # ---------------------------------------------------------------------------------------- config and names
 def test_default_layers_names_and_slots(target):
-    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2: round(linspace(1, 27, 5)), half to even
-    assert default_target_layer_ids(L) == [1, 2, 3, 4, 5]
+    assert default_aux_layer_ids(30) == [2, 9, 15, 21, 28]  # SmolLM2: round(linspace(1, 27, 5)) + 1, half to even
+    assert default_aux_layer_ids(L) == [2, 3, 4, 5, 6]
     with pytest.raises(SpecdrafterError, match="no 5 distinct default feature layers"):
-        default_target_layer_ids(6)
+        default_aux_layer_ids(6)
     dflash, dspark = make_drafter(target, "dflash"), make_drafter(target, "dspark")
     assert dflash.feature_layers == [1, 3, 6] and dflash.num_drafts == S - 1 and dspark.num_drafts == S
     assert dflash.config.architectures == ["DFlashDraftModel"] and dspark.config.markov_rank == 8
@@ -91,14 +91,14 @@ def test_weights_start_as_hf_initialises_them(target):
     assert all(torch.equal(n.weight, torch.ones_like(n.weight)) for n in (drafter.norm, drafter.layers[0].self_attn.q_norm))
 
 
-def test_feature_ids_are_layer_outputs_and_the_last_one_is_post_norm(target, batch):
-    """DFlash id k is HF hidden_states[k + 1], our features.py id k + 1; id L − 1 would be HF's post-norm state."""
+def test_feature_ids_are_layer_inputs_and_the_last_one_is_post_norm(target, batch):
+    """Id k is HF hidden_states[k], the input to layer k (models/features.py); id L would be HF's post-norm state."""
     tokens = batch[1]
     drafter = make_drafter(target, "dflash")
     with capture_features(target, drafter.feature_layers + [L]) as captured, torch.no_grad():
         hf = target(input_ids=tokens, output_hidden_states=True).hidden_states
     for k in IDS:
-        torch.testing.assert_close(captured[k + 1], hf[k + 1], atol=0, rtol=0)
+        torch.testing.assert_close(captured[k], hf[k], atol=0, rtol=0)
     assert not torch.allclose(captured[L], hf[L])  # hidden_states[L] went through the final norm
     torch.testing.assert_close(target.model.norm(captured[L]), hf[L])
 
@@ -254,7 +254,7 @@ def test_a_saved_drafter_loads_and_drafts_the_same(tmp_path, target, batch, kind
     drafter.set_draft_vocab(torch.arange(0, 128, 2))
     folder = save_block_drafter(drafter, tmp_path / kind)
     config = json.loads((folder / "config.json").read_text())
-    assert config["variant"] == kind and config["target_layer_ids"] == IDS and config["block_size"] == S
+    assert config["variant"] == kind and config["aux_layer_ids"] == IDS and config["block_size"] == S
     assert config["model_type"] == "qwen3" and config["num_target_layers"] == L and config["draft_vocab_size"] == 64
     loaded = load_block_drafter(folder, variant=kind)
     assert set(loaded.state_dict()) == set(drafter.state_dict())
@@ -268,12 +268,12 @@ def test_a_saved_drafter_loads_and_drafts_the_same(tmp_path, target, batch, kind
 @pytest.mark.parametrize("overrides, message", [
     (dict(mask_token_id=V), f"mask_token_id = {V} is outside the target's embedding"),
     (dict(mask_token_id=-1), "mask_token_id = -1 is outside"),
-    (dict(target_layer_ids=[2, L - 1]), f"names {L - 1}, the last layer's output, which the target reports after"),
-    (dict(target_layer_ids=[L]), f"names {L}, outside 0..{L - 2}"),
-    (dict(target_layer_ids=[-1, 3]), "names -1, outside"),
-    (dict(target_layer_ids=[3, 1]), "are not increasing"),
-    (dict(target_layer_ids=[3, 3]), "repeat a layer"),
-    (dict(target_layer_ids=[]), "target_layer_ids is empty"),
+    (dict(aux_layer_ids=[2, L]), f"names {L}, the last layer's output, which the target reports after"),
+    (dict(aux_layer_ids=[L + 1]), f"names {L + 1}, outside 1..{L - 1}"),
+    (dict(aux_layer_ids=[0, 3]), "names 0, outside"),
+    (dict(aux_layer_ids=[3, 1]), "are not increasing"),
+    (dict(aux_layer_ids=[3, 3]), "repeat a layer"),
+    (dict(aux_layer_ids=[]), "aux_layer_ids is empty"),
     (dict(block_size=1), "block_size = 1; a block is the anchor and at least one masked slot"),
     (dict(num_layers=0), "num_hidden_layers = 0; the backbone has at least one layer"),
     (dict(draft_vocab_size=V + 1), "draft_vocab_size"),
@@ -281,7 +281,7 @@ def test_a_saved_drafter_loads_and_drafts_the_same(tmp_path, target, batch, kind
 ])
 def test_bad_settings_are_one_line(target, overrides, message):
     with pytest.raises(SpecdrafterError, match=message) as e:
-        block_config(target.config, "dflash", **{**dict(block_size=S, target_layer_ids=IDS), **overrides})
+        block_config(target.config, "dflash", **{**dict(block_size=S, aux_layer_ids=IDS), **overrides})
     assert "\n" not in str(e.value)
     with pytest.raises(SpecdrafterError, match="variant 'medusa'"):
         block_config(target.config, "medusa")
@@ -295,8 +295,12 @@ def test_bad_folders_are_one_line(tmp_path, target):
         load_block_drafter(eagle)
     folder = save_block_drafter(make_drafter(target, "dspark"), tmp_path / "dspark")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "target_layer_ids": [1, L - 1]}))
-    with pytest.raises(SpecdrafterError, match="config.json': target_layer_ids names 7, the last layer's output"):
+    (folder / "config.json").write_text(json.dumps({**config, "aux_layer_ids": [1, L]}))
+    with pytest.raises(SpecdrafterError, match="config.json': aux_layer_ids names 8, the last layer's output"):
+        load_block_drafter(folder)
+    outputs = {k: v for k, v in config.items() if k != "aux_layer_ids"}
+    (folder / "config.json").write_text(json.dumps({**outputs, "target_layer_ids": [0, 2, 5]}))  # the engines' spelling
+    with pytest.raises(SpecdrafterError, match=r"target_layer_ids is the engines' spelling .* \(here \[1, 3, 6\]\)"):
         load_block_drafter(folder)
     (folder / "config.json").write_text(json.dumps({**config, "block_size": "four"}))
     with pytest.raises(SpecdrafterError, match="block_size") as e:

@@ -30,7 +30,7 @@ def target():
 def recipe(variant: str, **block):
     cfg = OmegaConf.structured(Recipe)
     cfg.drafter.kind = DrafterKind(variant)
-    settings = dict(num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=V - 1, anchors=6, markov_rank=4)
+    settings = dict(num_layers=1, block_size=4, aux_layer_ids=[1, 3], mask_token_id=V - 1, anchors=6, markov_rank=4)
     settings.update(block)
     for key, value in settings.items():
         cfg.drafter.block[key] = value

@@ -22,7 +22,8 @@ from specdrafter.models.block import BlockDrafter, block_config, save_block_draf
 
 REPO = Path(__file__).resolve().parents[1]
 V, L, B, R = 512, 6, 4, 8  # target vocabulary and layers, block size, Markov rank
-IDS = [0, 2, 4]  # target layer outputs the drafters read (DFlash's convention, HF hidden_states[k + 1])
+IDS = [1, 3, 5]  # target layer inputs the drafters read (HF hidden_states[k]); DFlash's outputs: [0, 2, 4]
+OUTPUTS = [k - 1 for k in IDS]  # dflash_config.target_layer_ids
 Vd = 96  # the pruned draft vocabulary
 DRAFTS = {"dflash": B - 1, "dspark": B}  # DFlash's anchor slot drafts nothing, DSpark's does
 TOKENS = torch.tensor([[1, 40, 7, 300, 52, 9, 211, 18, 3]])
@@ -62,7 +63,7 @@ def checkpoint(tmp_path_factory, target_dir, target):
     def make(variant: str, pruned: bool = False):
         if (variant, pruned) not in made:
             torch.manual_seed(1)
-            config = block_config(target.config, variant, num_layers=2, block_size=B, target_layer_ids=IDS,
+            config = block_config(target.config, variant, num_layers=2, block_size=B, aux_layer_ids=IDS,
                                   markov_rank=R if variant == "dspark" else 0, draft_vocab_size=Vd if pruned else 0)
             drafter = BlockDrafter(config).eval()
             with torch.no_grad():
@@ -76,7 +77,7 @@ def checkpoint(tmp_path_factory, target_dir, target):
             cfg = load_recipe(REPO / "recipes" / f"smollm2-135m-{variant}.yaml",
                               [f"output_dir={run}", f"target.model={target_dir}", f"train.data_dir={run / 'data'}",
                                "drafter.block.num_layers=2", f"drafter.block.block_size={B}",
-                               "drafter.block.target_layer_ids=[0,2,4]", f"drafter.block.markov_rank={R}",
+                               "drafter.block.aux_layer_ids=[1,3,5]", f"drafter.block.markov_rank={R}",
                                f"drafter.block.draft_vocab_size={Vd if pruned else 0}", "inference.k=3",
                                "inference.k_max=3", "train.wandb.mode=disabled"])
             (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
@@ -130,7 +131,7 @@ def test_vllm_and_sglang_folders_hold_what_their_loaders_read(tmp_path, variant,
     assert c["architectures"] == [{"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}[variant]]
     assert c["model_type"] == "qwen3" and c["tie_word_embeddings"] is False
     assert (c["block_size"], c["num_target_layers"], c["target_hidden_size"], c["draft_vocab_size"]) == (B, L, 32, V)
-    assert c["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": IDS}  # layer outputs, unchanged
+    assert c["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": OUTPUTS}  # layer outputs: ours − 1
     layer = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
              "max_position_embeddings": 512, "vocab_size": V, "hidden_act": "silu", "attention_bias": False}
@@ -138,7 +139,7 @@ def test_vllm_and_sglang_folders_hold_what_their_loaders_read(tmp_path, variant,
     heads = {"markov_rank": R, "markov_head_type": "vanilla", "enable_confidence_head": True,
              "confidence_head_with_markov": True, "sample_from_anchor": True}
     assert {k: c.get(k) for k in heads} == (heads if variant == "dspark" else dict.fromkeys(heads))
-    for ours in ("variant", "target_layer_ids", "mask_token_id", "_name_or_path"):  # only the engines' keys
+    for ours in ("variant", "aux_layer_ids", "mask_token_id", "_name_or_path"):  # only the engines' keys
         assert ours not in c
 
     weights = load_file(str(out / "model.safetensors"))
@@ -157,7 +158,7 @@ def test_the_layers_each_engine_captures_are_the_ones_trained_on(tmp_path, varia
     folder, drafter = checkpoint(variant)
     out = export(folder, fmt, tmp_path / fmt)
     captured = ENGINE_CAPTURES[fmt](config(out))
-    assert captured == drafter.feature_layers == [1, 3, 5]  # inputs to layers k + 1 = outputs of layers k
+    assert captured == drafter.feature_layers == IDS  # what each engine captures = what the drafter trained on
     ours = block_logits(drafter, target, drafter.feature_layers)
     theirs = block_logits(loaded_back(out, drafter), target, captured)
     for a, b in zip(theirs, ours):
@@ -179,13 +180,13 @@ def test_speculators_folder(tmp_path, variant, checkpoint, target_dir):
         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": DRAFTS[variant], "verifier_accept_k": 1,
                               "accept_tolerance": 0.0}],
         "verifier": {"name_or_path": target_dir.name, "architectures": ["LlamaForCausalLM"]}}
-    assert c["aux_hidden_state_layer_ids"] == [k + 1 for k in IDS]  # speculators names a layer's input
+    assert c["aux_hidden_state_layer_ids"] == IDS  # speculators names a layer's input, as we do
     assert (c["draft_vocab_size"], c["target_hidden_size"], c["block_size"], c["mask_token_id"]) == (V, 32, B, 16)
     assert c["sample_from_anchor"] is (variant == "dspark")  # vLLM's speculators adapter defaults it to false
     layer = c["transformer_layer_config"]
     assert (layer["model_type"], layer["num_hidden_layers"], layer["hidden_size"], layer["rope_theta"]) == ("qwen3", 2, 32,
                                                                                                           10000.0)
-    assert "dflash_config" not in c and not {"variant", "target_layer_ids", "block_size", "num_target_layers"} & set(layer)
+    assert "dflash_config" not in c and not {"variant", "aux_layer_ids", "block_size", "num_target_layers"} & set(layer)
     heads = {"markov_rank": R, "markov_head_type": "vanilla", "enable_confidence_head": True,
              "confidence_head_with_markov": True}
     assert {k: c.get(k) for k in heads} == (heads if variant == "dspark" else dict.fromkeys(heads))
@@ -225,7 +226,7 @@ def test_sglang_refuses_a_pruned_vocabulary_in_one_line(tmp_path, variant, check
 @pytest.mark.parametrize("settings, why", [({"markov_rank": 0}, "refuses markov_rank 0"),
                                            ({"enable_confidence_head": False}, "builds the confidence head whatever")])
 def test_sglang_refuses_a_dspark_drafter_its_loader_cannot_build(tmp_path, settings, why, target):
-    config = block_config(target.config, "dspark", num_layers=1, block_size=B, target_layer_ids=IDS,
+    config = block_config(target.config, "dspark", num_layers=1, block_size=B, aux_layer_ids=IDS,
                           **{"markov_rank": R, **settings})
     folder = save_block_drafter(BlockDrafter(config), tmp_path / "bare")
     with pytest.raises(SpecdrafterError, match=f"--format sglang cannot express .*: SGLang's DSPARK {why}"):
@@ -251,7 +252,7 @@ def test_cards_give_each_engines_serving_command(tmp_path, variant, algorithm, s
     card = (export(folder, "vllm", tmp_path / "v") / "README.md").read_text()
     assert f"vllm serve {target} --speculative-config '{spec}'" in card
     assert f"**Engine versions:** vLLM {since} or later (`qwen3_{variant}.py`, method `{variant}`" in card
-    assert "## Layer-id convention" in card and f"`dflash_config.target_layer_ids` = {IDS}" in card
+    assert "## Layer-id convention" in card and f"`dflash_config.target_layer_ids` = {OUTPUTS}" in card
     assert "capture the inputs to layers [1, 3, 5]" in card and f"- {variant}" in card  # the Hub tag
     card = (export(folder, "sglang", tmp_path / "s") / "README.md").read_text()
     assert (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
@@ -285,11 +286,10 @@ def test_an_engine_folder_loads_back_as_the_drafter_it_came_from(tmp_path, check
     out = export(folder, fmt, tmp_path / fmt)
     assert kind_of_config(config(out)) is KINDS[variant]
     loaded = load_block_drafter(out, variant)
-    assert loaded.config.target_layer_ids == IDS and loaded.config.mask_token_id == drafter.config.mask_token_id
+    assert loaded.config.aux_layer_ids == IDS and loaded.config.mask_token_id == drafter.config.mask_token_id
     mine, theirs = drafter.state_dict(), loaded.state_dict()
     assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    inputs = [k + 1 for k in IDS]
-    torch.testing.assert_close(block_logits(loaded, target, inputs), block_logits(drafter, target, inputs))
+    torch.testing.assert_close(block_logits(loaded, target, IDS), block_logits(drafter, target, IDS))
     from specdrafter.inference.block import BlockProposer
     BlockProposer(loaded, target)  # speculators records no target depth: the decoder checks the ids against this one
     assert loaded.config.num_target_layers == L

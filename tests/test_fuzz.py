@@ -117,7 +117,7 @@ OUT_OF_RANGE = {
     "drafter.medusa.backbone_lr_ratio": [-1], "drafter.eagle.aux_layer_ids": [[1, 2], [-1, 2, 3]],
     "drafter.eagle.ttt_steps": [0], "drafter.eagle.step_decay": [0], "drafter.eagle.draft_vocab_size": [-1],
     "drafter.eagle.feature_weight": [-1], "drafter.eagle.ce_weight": [-0.1],
-    "drafter.block.num_layers": [0], "drafter.block.block_size": [1, 0], "drafter.block.target_layer_ids": [[-1]],
+    "drafter.block.num_layers": [0], "drafter.block.block_size": [1, 0], "drafter.block.aux_layer_ids": [[0]],
     "drafter.block.num_features": [0], "drafter.block.mask_token_id": [-1], "drafter.block.anchors": [0],
     "drafter.block.loss_decay": [-1], "drafter.block.markov_rank": [-1],
     "drafter.block.markov_lr_scale": [0, -1], "drafter.block.confidence_weight": [-0.5],

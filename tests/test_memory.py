@@ -114,7 +114,7 @@ def test_block_drafter_saved_bytes(precision, variant, anchors, block_size, laye
     cfg = load_recipe(REPO / "recipes" / f"smollm2-135m-{variant}.yaml", [
         "target.dtype=float32", f"train.precision={precision}", f"train.micro_batch_size={B}",
         f"train.max_length={max_length}", f"drafter.block.num_layers={layers}", f"drafter.block.block_size={block_size}",
-        "drafter.block.target_layer_ids=[1,2,3]", f"drafter.block.anchors={anchors}",
+        "drafter.block.aux_layer_ids=[2,3,4]", f"drafter.block.anchors={anchors}",
         f"drafter.block.draft_vocab_size={draft_vocab}", "drafter.block.markov_rank=16", "inference.k=3"])
     kind = kind_of(cfg)
     module = kind.drafter(cfg, target).module.to(torch.bfloat16 if precision == "bf16" else torch.float32)

@@ -86,6 +86,13 @@ def test_nonexistent_paths_fail_before_loading():
     assert "'data.prompts'" in error_of(["data.prompts=./no-such-prompts.jsonl"])
 
 
+def test_dflashs_layer_output_spelling_is_refused_with_the_input_ids():
+    """One layer-id convention (layer inputs): DFlash's target_layer_ids are outputs, so no near-miss hint."""
+    error = error_of(["drafter.block.target_layer_ids=[1,8]"])
+    assert "unknown recipe key 'drafter.block.target_layer_ids'" in error and "drafter.block.aux_layer_ids" in error
+    assert "each id + 1" in error and "did you mean" not in error
+
+
 def test_missing_recipe_file_and_bad_override_shape(tmp_path):
     assert "not found" in error_of([], tmp_path / "nope.yaml")
     assert "key=value" in error_of(["data.batch_size"])

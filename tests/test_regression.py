@@ -28,7 +28,7 @@ TINY = ["target.dtype=float32", "train.precision=fp32", "train.features=online",
         f"train.max_steps={STEPS}", "train.eval_every=1", f"train.save_every={STEPS}", "train.wandb.mode=disabled",
         "drafter.num_layers=1", "drafter.medusa.num_heads=2", "drafter.eagle.aux_layer_ids=[0,1,2]",
         "drafter.eagle.draft_vocab_size=256", "drafter.eagle.ttt_steps=2", "drafter.block.num_layers=1",
-        "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0]", "drafter.block.anchors=8",
+        "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1]", "drafter.block.anchors=8",
         "drafter.block.markov_rank=8", "drafter.block.draft_vocab_size=256", "inference.k=3"]
 RUNS = {  # kind: (recipe, overrides)
     "draft_model": ("smollm2-135m-draft", []),

@@ -245,7 +245,7 @@ def test_predictions_line_up_with_the_targets_rows(tmp_path, kind, extra, peaky_
         assert torch.equal(drafter.module.lm_head.weight, target.lm_head.weight[drafter.module.draft_ids])
 
 
-BLOCK_TINY = ["drafter.block.num_layers=1", "drafter.block.block_size=4", "drafter.block.target_layer_ids=[1,2]",
+BLOCK_TINY = ["drafter.block.num_layers=1", "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[2,3]",
               "drafter.block.anchors=6", "drafter.block.draft_vocab_size=1024", "drafter.block.markov_rank=16"]
 
 

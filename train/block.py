@@ -43,7 +43,7 @@ def drafter_config(cfg: DictConfig, target_config, variant: str):
     """The recipe's drafter.block as a models/block.py config for `target_config` (checked there, one line)."""
     b = cfg.drafter.block
     return block_config(target_config, variant, num_layers=b.num_layers, block_size=b.block_size,
-                        target_layer_ids=list(b.target_layer_ids) or None, mask_token_id=b.mask_token_id,
+                        aux_layer_ids=list(b.aux_layer_ids) or None, mask_token_id=b.mask_token_id,
                         markov_rank=b.markov_rank if VARIANTS[variant].heads else 0,
                         draft_vocab_size=b.draft_vocab_size, num_features=b.num_features)
 

@@ -319,7 +319,7 @@ def block(act: Activations, m: MemoryInputs, drafts: int, heads: bool) -> None:
     blocks = m.B * min(b.anchors, m.L - 1)
     Q, R, C = blocks * b.block_size, blocks * drafts, m.N  # slots, draft rows, context positions
     d, A, K, hd = T.hidden, T.heads * T.head_dim, T.kv_heads * T.head_dim, T.head_dim
-    features = len(b.target_layer_ids) or b.num_features
+    features = len(b.aux_layer_ids) or b.num_features
     softmax = 4 * T.heads * (m.L + b.block_size)  # a slot's attention weights over [context, own block], float32
     # per slot and layer: the residual and norm states (7d), q/k/v and the attention's inputs (5A + 2K), the MLP
     # (4I), the norms' rsqrt and the softmax
