@@ -51,7 +51,7 @@ NOT_LAYER = ("variant", "aux_layer_ids", "mask_token_id", "markov_rank", "enable
 def write_block(src: Source, folder: Path, target: Target, fmt: str) -> None:
     """config.json + model.safetensors of a DFlash or DSpark drafter in `fmt`'s layout."""
     kind = src.kind
-    drafter = load_block_drafter(src.drafter, kind.name)  # refuses a folder that does not load as this kind
+    drafter = load_block_drafter(src.drafter, kind.variant)  # refuses a folder that does not load as this kind
     c = drafter.config
     problem = format_problem(kind, drafter, fmt)
     if problem:
@@ -59,7 +59,7 @@ def write_block(src: Source, folder: Path, target: Target, fmt: str) -> None:
     raw = json.loads((src.drafter / "config.json").read_text())
     layer = layer_config(raw)
     config = (speculators_config(kind, c, layer, target, src) if fmt == "speculators" else
-              {**layer, "architectures": [kind.engines.architecture], **engine_keys(kind, c)})
+              {**layer, "architectures": [kind.variant.architecture], **engine_keys(kind, c)})
     save_weights(engine_weights(drafter, target, src), folder / "model.safetensors")
     atomic_write_json(folder / "config.json", config)
 
@@ -115,7 +115,7 @@ def speculators_config(kind: BlockKind, c, layer: dict, target: Target, src: Sou
         raise SpecdrafterError("--format speculators names the verifier: export from a checkpoint folder or run "
                                "(whose recipe.yaml names the target), not a bare drafter folder")
     drafts = kind.drafts_per_block(c.block_size)
-    return {"architectures": [kind.engines.speculators_architecture], "speculators_model_type": kind.engines.method,
+    return {"architectures": [kind.variant.speculators_architecture], "speculators_model_type": kind.engines.method,
             "speculators_config": {
                 "algorithm": kind.engines.method, "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafts, "verifier_accept_k": 1,

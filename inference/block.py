@@ -47,7 +47,7 @@ class BlockProposer:
     def __init__(self, drafter: BlockDrafter, target: nn.Module, length: Optional[ConfidenceLength] = None):
         check_drafter_fits(drafter, target)
         if length is not None and drafter.confidence_head is None:
-            raise SpecdrafterError(f"drafter.block.length=confidence needs a confidence head; this {drafter.variant} "
+            raise SpecdrafterError(f"drafter.block.length=confidence needs a confidence head; this {drafter.variant.name} "
                                    "drafter has none (use drafter.block.length=fixed)")
         self.drafter, self.target = drafter.eval(), target
         self.feature_layers = drafter.feature_layers

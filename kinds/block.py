@@ -13,7 +13,8 @@ from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
 from specdrafter.kinds.base import ArmSpec, Kind
 from specdrafter.models.block import (
-    VARIANTS,
+    DFLASH,
+    DSPARK,
     BlockDrafter,
     Variant,
     block_variant,
@@ -30,30 +31,24 @@ class BlockEngines:
     where each name comes from)."""
     method: str  # vLLM's speculative-config "method", also the speculators library's speculators_model_type
     sglang_algorithm: str  # SGLang's --speculative-algorithm
-    architecture: str  # config.json `architectures` of the vllm / sglang folder (both engines register the name)
-    speculators_architecture: str  # `architectures` of the speculators folder (its model class)
     vllm_since: str  # the first vLLM release that serves the folder as trained (the model card says it)
     sglang_since: str  # the first SGLang release with the algorithm
     speculators_since: str  # the first speculators release with the model
 
 
 class BlockKind(Kind):
-    """What DFlash and DSpark share; `name` is also the models/block.py variant."""
+    """What DFlash and DSpark share; `variant` is the model's (models/block.py), and its name the kind's."""
     launcher = "train_block.py"
     trees = ()
     formats = ("vllm", "sglang", "speculators")
     writer = "block"
+    variant: Variant  # whether the anchor slot drafts (label_shift), whether the DSpark heads exist, class names
     engines: BlockEngines
     memory_fixes = {"activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"}
     plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256", "drafter.block.anchors=8")
 
-    @property
-    def variant(self) -> Variant:
-        """The model's variant: whether the anchor slot drafts (label_shift) and whether the DSpark heads exist."""
-        return VARIANTS[self.name]
-
     def recognises(self, config: dict) -> bool:
-        return block_variant(config) == self.name
+        return block_variant(config) == self.variant
 
     def drafts(self, cfg: DictConfig) -> int:
         """γ: drafts per block of the recipe."""
@@ -68,7 +63,7 @@ class BlockKind(Kind):
         super().check_recipe(cfg)
         b, inf = cfg.drafter.block, cfg.inference
         if b.length.value == "confidence":
-            if not VARIANTS[self.name].heads:
+            if not self.variant.heads:
                 raise RecipeError(f"recipe key 'drafter.block.length': confidence needs DSpark's confidence head; "
                                   f"{self.description} has none (use fixed)")
             if inf.k == "auto":
@@ -83,7 +78,7 @@ class BlockKind(Kind):
 
     # ----------------------------------------------------------------------------------------- training
     def drafter(self, cfg, target, data=None, tokenizer=None):
-        return BlockTrainingDrafter(cfg, target, self.name, data, tokenizer)
+        return BlockTrainingDrafter(cfg, target, self.variant, data, tokenizer)
 
     def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
         """aux_layer_ids and the last layer's output, from which the teacher's logits come."""
@@ -93,14 +88,14 @@ class BlockKind(Kind):
 
     # ----------------------------------------------------------------------------------------- decoding
     def proposer(self, cfg, target, path):
-        drafter = load_block_drafter(path, self.name, target.dtype).to(target.device)
+        drafter = load_block_drafter(path, self.variant, target.dtype).to(target.device)
         confidence = cfg.drafter.block.length.value == "confidence"
         return BlockProposer(drafter, target, ConfidenceLength(drafter.num_drafts) if confidence else None)
 
     def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
         k = cfg.inference.k
         arms = [ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k)]
-        if VARIANTS[self.name].heads and k != "auto":
+        if self.variant.heads and k != "auto":
             arms.append(ArmSpec(f"{self.name}_confidence", f"k<={k} by confidence", "chain",
                                 drafter={"block": {"length": "confidence"}}, k=k))
         arms.append(ArmSpec(f"{self.name}_asd", f"k={k} B={cfg.inference.asd.budget:g}", "asd", k=k))
@@ -108,7 +103,7 @@ class BlockKind(Kind):
 
     # ------------------------------------------------------------------------------------------ planner
     def planner_module(self, cfg, target, config_of):
-        return BlockDrafter(drafter_config(cfg, target.config, self.name)), None
+        return BlockDrafter(drafter_config(cfg, target.config, self.variant)), None
 
     def planner_activations(self, act, m) -> None:
         memory.block(act, m, self.drafts(m.cfg), self.variant.heads)
@@ -166,25 +161,25 @@ class BlockKind(Kind):
 
 
 class DFlash(BlockKind):
-    name = "dflash"
+    variant = DFLASH
+    name = DFLASH.name
     description = "a DFlash block drafter"
     recipe = "smollm2-135m-dflash.yaml"
     card_title = "DFlash block drafter"
     card_tag = "dflash"
     # z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
     # vLLM 0.20-0.21 have the class but read dflash_config.target_layer_ids as layer inputs (one layer early)
-    engines = BlockEngines("dflash", "DFLASH", "DFlashDraftModel", "DFlashSpeculator", vllm_since="0.22.0",
+    engines = BlockEngines("dflash", "DFLASH", vllm_since="0.22.0",
                            sglang_since="0.5.11", speculators_since="0.5.0")
 
 
 class DSpark(BlockKind):
-    name = "dspark"
+    variant = DSPARK
+    name = DSPARK.name
     description = "a DSpark block drafter"
     recipe = "smollm2-135m-dspark.yaml"
     card_title = "DSpark block drafter"
     card_tag = "dspark"
-    # DeepSpec's name for the dense Qwen3 DSpark draft: vLLM's qwen3_dspark.py and SGLang's models/dspark.py
-    # register it (vLLM maps "DSparkDraftModel" to DeepSeek-V4's DSpark unless the config is a qwen3 one); vLLM
-    # 0.25-0.27 have the class but skip the confidence head's weights
-    engines = BlockEngines("dspark", "DSPARK", "Qwen3DSparkModel", "DSparkSpeculator", vllm_since="0.28.0",
+    # vLLM 0.25-0.27 have the class but skip the confidence head's weights
+    engines = BlockEngines("dspark", "DSPARK", vllm_since="0.28.0",
                            sglang_since="0.5.16", speculators_since="0.7.0")

@@ -50,15 +50,27 @@ KV = Tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class Variant:
-    """What tells DFlash and DSpark apart in the model (kinds/block.py holds everything else about them)."""
+    """What tells DFlash and DSpark apart in the model, and the class names the engines know its folders by (the one
+    table of them; kinds/block.py holds how the engines serve it)."""
     name: str  # the config's `variant` and the recipe's drafter.kind
-    architecture: str  # config.json's architectures, as the engines look the class up
+    architecture: str  # config.json's architectures: the class vLLM and SGLang register (our folder says it too)
+    speculators_architecture: str  # the speculators library's class, `architectures` of its folder
     label_shift: bool  # slot k predicts x_{a+k+1} (DSpark: the anchor slot drafts too), else x_{a+k} (DFlash)
     heads: bool  # the Markov and confidence heads exist (by default on)
+    also_named: Tuple[str, ...] = ()  # other architectures a folder of it carries (read, never written)
+
+    def named(self, architectures) -> bool:
+        """Whether a config.json's `architectures` list names this variant's engine class."""
+        return isinstance(architectures, list) and bool({self.architecture, *self.also_named} & set(architectures))
 
 
-VARIANTS = {v.name: v for v in (Variant("dflash", "DFlashDraftModel", label_shift=False, heads=False),
-                                Variant("dspark", "DSparkDraftModel", label_shift=True, heads=True))}
+DFLASH = Variant("dflash", "DFlashDraftModel", "DFlashSpeculator", label_shift=False, heads=False)
+# DeepSpec's name for the dense Qwen3 DSpark draft, which vLLM's qwen3_dspark.py and SGLang's models/dspark.py
+# register; specdrafter's own folders said DSparkDraftModel before (vLLM maps that name to DeepSeek-V4's DSpark
+# unless the config is a qwen3 one)
+DSPARK = Variant("dspark", "Qwen3DSparkModel", "DSparkSpeculator", label_shift=True, heads=True,
+                 also_named=("DSparkDraftModel",))
+VARIANTS = {v.name: v for v in (DFLASH, DSPARK)}
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2's <empty_output>: a special token chat text does not use
 DEFAULT_MARKOV_RANK = 256  # DSpark's; DFlash has no Markov head
 
@@ -125,7 +137,7 @@ def default_aux_layer_ids(num_layers: int, count: int = 5) -> List[int]:
     return [k + 1 for k in outputs]
 
 
-def block_config(target_config, variant: str, num_layers: int = 1, block_size: int = 16,
+def block_config(target_config, variant: Variant, num_layers: int = 1, block_size: int = 16,
                  aux_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
                  markov_rank: Optional[int] = None, enable_confidence_head: Optional[bool] = None,
                  draft_vocab_size: int = 0, num_features: int = 5) -> BlockDrafterConfig:
@@ -134,11 +146,9 @@ def block_config(target_config, variant: str, num_layers: int = 1, block_size: i
     256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary."""
     t = target_config
     L = t.num_hidden_layers
-    if variant not in VARIANTS:
-        raise SpecdrafterError(f"block drafter variant {variant!r} (known: {', '.join(map(repr, VARIANTS))})")
-    heads = VARIANTS[variant].heads
+    heads = variant.heads
     config = BlockDrafterConfig(
-        architectures=[VARIANTS[variant].architecture], variant=variant, num_hidden_layers=num_layers, hidden_size=t.hidden_size,
+        architectures=[variant.architecture], variant=variant.name, num_hidden_layers=num_layers, hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, hidden_act=t.hidden_act,
@@ -311,8 +321,8 @@ class BlockDrafter(nn.Module):
 
     # ---------------------------------------------------------------------------------------- what it reads
     @property
-    def variant(self) -> str:
-        return self.config.variant
+    def variant(self) -> Variant:
+        return VARIANTS[self.config.variant]  # check_config: a known one
 
     @property
     def num_drafts(self) -> int:
@@ -321,7 +331,7 @@ class BlockDrafter(nn.Module):
 
     @property
     def _first_slot(self) -> int:
-        return 0 if VARIANTS[self.variant].label_shift else 1  # DFlash's anchor slot predicts nothing
+        return 0 if self.variant.label_shift else 1  # DFlash's anchor slot predicts nothing
 
     @property
     def feature_layers(self) -> List[int]:
@@ -486,21 +496,17 @@ def copy_target_layers(drafter: BlockDrafter, target: nn.Module) -> List[str]:
 
 
 # The engines' folders (export/block.py writes them; z-lab's DFlash and DeepSpec's DSpark checkpoints share the
-# vLLM / SGLang layout): architecture or speculators_model_type → the variant they hold.
-ENGINE_ARCHITECTURES = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark", "DSparkDraftModel": "dspark"}
-SPECULATORS_TYPES = {"DFlashSpeculator": "dflash", "DSparkSpeculator": "dspark"}
-
-
+# vLLM / SGLang layout), recognised by the Variant's class names.
 CONFIG_KEYS = set(Qwen3Config().to_dict()) | set(BlockDrafterConfig.__dataclass_fields__)  # what engine_layout keeps
 
 
-def block_variant(config: dict) -> Optional[str]:
+def block_variant(config: dict) -> Optional[Variant]:
     """The block drafter variant a config.json holds: ours, or an engine's layout (`engine_layout`); None: neither."""
-    variant, archs = config.get("variant"), config.get("architectures")
-    if variant in VARIANTS and isinstance(archs, list) and VARIANTS[variant].architecture in archs:
+    variant = VARIANTS.get(config.get("variant")) if isinstance(config.get("variant"), str) else None
+    if variant is not None and variant.named(config.get("architectures")):
         return variant
     ours = engine_layout(config)
-    return ours["variant"] if ours else None
+    return VARIANTS[ours["variant"]] if ours else None
 
 
 def engine_layout(config: dict) -> Optional[dict]:
@@ -509,11 +515,11 @@ def engine_layout(config: dict) -> Optional[dict]:
     speculators: `transformer_layer_config`, and aux_hidden_state_layer_ids (layer inputs, as ours)."""
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     if isinstance(config.get("dflash_config"), dict):
-        variant = next((ENGINE_ARCHITECTURES[a] for a in archs if a in ENGINE_ARCHITECTURES), None)
+        variant = next((v for v in VARIANTS.values() if v.named(archs)), None)
         layer, outputs = dict(config), config["dflash_config"].get("target_layer_ids")
         ids, mask = [k + 1 for k in outputs] if isinstance(outputs, list) else None, config["dflash_config"].get("mask_token_id")
     elif isinstance(config.get("transformer_layer_config"), dict):
-        variant = next((SPECULATORS_TYPES[a] for a in archs if a in SPECULATORS_TYPES), None)
+        variant = next((v for v in VARIANTS.values() if v.speculators_architecture in archs), None)
         layer, ids = dict(config["transformer_layer_config"]), config.get("aux_hidden_state_layer_ids")
         mask = config.get("mask_token_id")
         layer.pop("num_target_layers", None)  # not the verifier's: speculators does not record its depth
@@ -529,7 +535,7 @@ def engine_layout(config: dict) -> Optional[dict]:
         ours["draft_vocab_size"] = None  # the full vocabulary
     ours.pop("rope_theta", None)
     ours.pop("rope_scaling", None)
-    return {**ours, "variant": variant, "architectures": [VARIANTS[variant].architecture], "aux_layer_ids": ids,
+    return {**ours, "variant": variant.name, "architectures": [variant.architecture], "aux_layer_ids": ids,
             "mask_token_id": mask, "tie_word_embeddings": False}
 
 
@@ -552,7 +558,7 @@ def save_block_drafter(drafter: BlockDrafter, folder: str | Path) -> Path:
     return save_config_and_weights(drafter, Path(folder))
 
 
-def load_block_drafter(folder: str | Path, variant: Optional[str] = None, dtype: torch.dtype = torch.float32) -> BlockDrafter:
+def load_block_drafter(folder: str | Path, variant: Optional[Variant] = None, dtype: torch.dtype = torch.float32) -> BlockDrafter:
     """The block drafter a folder holds (`variant`: refuse another). Anything wrong is one SpecdrafterError."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -566,9 +572,9 @@ def load_block_drafter(folder: str | Path, variant: Optional[str] = None, dtype:
         raise SpecdrafterError(f"{str(folder)!r} is not a block drafter folder (architectures: "
                                f"{raw.get('architectures')}, variant: {raw.get('variant')!r})")
     if variant is not None and found != variant:
-        raise SpecdrafterError(f"{str(folder)!r} holds a {found} drafter, not a {variant} one")
+        raise SpecdrafterError(f"{str(folder)!r} holds a {found.name} drafter, not a {variant.name} one")
     weights = read_safetensors(folder / "model.safetensors")
-    engine = raw.get("variant") != found  # an engine's folder: its config mapped to ours, its extra tensors dropped
+    engine = raw.get("variant") != found.name  # an engine's folder: its config mapped to ours, its extra tensors dropped
     if engine:
         raw = engine_layout(raw)
         weights = engine_weights(weights, raw)
@@ -586,7 +592,7 @@ def load_block_drafter(folder: str | Path, variant: Optional[str] = None, dtype:
     missing, unknown = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unknown:
         parts = ([f"missing {', '.join(missing[:4])}"] if missing else []) + (
-            [f"{', '.join(unknown[:4])} not in a {found} drafter"] if unknown else [])
+            [f"{', '.join(unknown[:4])} not in a {found.name} drafter"] if unknown else [])
         raise SpecdrafterError(f"the weights in {str(folder)!r} do not fit its config.json: {'; '.join(parts)}")
     try:
         drafter.load_state_dict(weights)

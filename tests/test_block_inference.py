@@ -13,7 +13,7 @@ from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
 from specdrafter.inference.decode import speculative_generate
 from specdrafter.inference.sampling import SamplingParams
-from specdrafter.models.block import BlockDrafter, block_config
+from specdrafter.models.block import VARIANTS, BlockDrafter, block_config
 
 GREEDY = SamplingParams(0.0)
 
@@ -32,7 +32,7 @@ def drafter_for(target, variant: str, seed: int = 1, sharpen: float = 1.0, **ove
     settings = dict(num_layers=1, block_size=4, aux_layer_ids=[1, 3], mask_token_id=target.config.vocab_size - 1,
                     markov_rank=4 if variant == "dspark" else 0)
     settings.update(overrides)
-    drafter = BlockDrafter(block_config(target.config, variant, **settings)).eval()
+    drafter = BlockDrafter(block_config(target.config, VARIANTS[variant], **settings)).eval()
     with torch.no_grad():
         drafter.norm.weight.mul_(sharpen)  # the drafts' logits sharper: they agree with the target more often
         if drafter.markov_head is not None:

@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import DrafterKind, Recipe
 from specdrafter.jobs.train import param_groups
+from specdrafter.models.block import DFLASH, DSPARK, VARIANTS
 from specdrafter.train.batches import Batch
 from specdrafter.train.block import BlockTrainingDrafter, sample_anchors
 from specdrafter.train.drafters import TargetOutput, counted_rows
@@ -69,7 +70,7 @@ def one_hot_teacher(batch: Batch, features) -> TargetOutput:
 def test_each_draft_is_compared_with_the_target_row_of_the_token_it_drafts(target, variant):
     """With a teacher one-hot on the true next token, the teacher rows of draft j are exactly the tokens x_{a+1+j}
     of the anchors drawn, over the contiguous supervised prefix only (a prompt token at position 7 cuts blocks)."""
-    drafter = BlockTrainingDrafter(recipe(variant), target, variant)
+    drafter = BlockTrainingDrafter(recipe(variant), target, VARIANTS[variant])
     torch.manual_seed(3)
     ids = torch.randint(3, V - 1, (2, 14))
     mask = torch.ones(2, 14, dtype=torch.long)
@@ -101,7 +102,7 @@ def test_each_draft_is_compared_with_the_target_row_of_the_token_it_drafts(targe
 
 
 def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target):
-    drafter = BlockTrainingDrafter(recipe("dspark"), target, "dspark")
+    drafter = BlockTrainingDrafter(recipe("dspark"), target, DSPARK)
     torch.manual_seed(3)
     ids = torch.randint(3, V - 1, (1, 12))
     mask = torch.ones(1, 12, dtype=torch.long)
@@ -116,7 +117,7 @@ def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target
     total.backward()
     assert confidence.weight.grad is not None and confidence.weight.grad.abs().sum() > 0
     assert all(p.confidence_loss is not None and p.confidence_loss > 0 for p in predictions)
-    plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, "dspark")
+    plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, DSPARK)
     assert all(p.confidence_loss is None for p in plain.predictions(plain.module, batch, teacher))
 
 
@@ -124,7 +125,7 @@ def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target
 def test_the_markov_head_learns_at_its_own_rate(target, variant):
     """DSpark's Markov head (a sparse previous-token embedding and its output) gets markov_lr_scale × train.lr in the
     optimizer; everything else, and all of DFlash, the recipe's lr."""
-    drafter = BlockTrainingDrafter(recipe(variant, markov_lr_scale=7.0), target, variant)
+    drafter = BlockTrainingDrafter(recipe(variant, markov_lr_scale=7.0), target, VARIANTS[variant])
     groups = param_groups(drafter, 1e-3)
     lr_of = {name: g["lr"] for g in groups for name, p in drafter.module.named_parameters()
              if any(p is q for q in g["params"])}
@@ -136,7 +137,7 @@ def test_the_markov_head_learns_at_its_own_rate(target, variant):
 def test_a_mask_token_the_training_data_uses_is_refused(target):
     data = SimpleNamespace(sequences=[torch.tensor([5, 9, V - 1, 4])], target_tokens=lambda: [])
     with pytest.raises(SpecdrafterError, match=f"'drafter.block.mask_token_id': token {V - 1} occurs in the training"):
-        BlockTrainingDrafter(recipe("dflash"), target, "dflash", data)
+        BlockTrainingDrafter(recipe("dflash"), target, DFLASH, data)
 
 
 @pytest.mark.parametrize("recipe_name, overrides, message", [

@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.models.block import BlockDrafter, block_config, save_block_drafter
+from specdrafter.models.block import DSPARK, VARIANTS, BlockDrafter, block_config, save_block_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 V, L, B, R = 512, 6, 4, 8  # target vocabulary and layers, block size, Markov rank
@@ -63,7 +63,7 @@ def checkpoint(tmp_path_factory, target_dir, target):
     def make(variant: str, pruned: bool = False):
         if (variant, pruned) not in made:
             torch.manual_seed(1)
-            config = block_config(target.config, variant, num_layers=2, block_size=B, aux_layer_ids=IDS,
+            config = block_config(target.config, VARIANTS[variant], num_layers=2, block_size=B, aux_layer_ids=IDS,
                                   markov_rank=R if variant == "dspark" else 0, draft_vocab_size=Vd if pruned else 0)
             drafter = BlockDrafter(config).eval()
             with torch.no_grad():
@@ -226,7 +226,7 @@ def test_sglang_refuses_a_pruned_vocabulary_in_one_line(tmp_path, variant, check
 @pytest.mark.parametrize("settings, why", [({"markov_rank": 0}, "refuses markov_rank 0"),
                                            ({"enable_confidence_head": False}, "builds the confidence head whatever")])
 def test_sglang_refuses_a_dspark_drafter_its_loader_cannot_build(tmp_path, settings, why, target):
-    config = block_config(target.config, "dspark", num_layers=1, block_size=B, aux_layer_ids=IDS,
+    config = block_config(target.config, DSPARK, num_layers=1, block_size=B, aux_layer_ids=IDS,
                           **{"markov_rank": R, **settings})
     folder = save_block_drafter(BlockDrafter(config), tmp_path / "bare")
     with pytest.raises(SpecdrafterError, match=f"--format sglang cannot express .*: SGLang's DSPARK {why}"):
@@ -285,7 +285,7 @@ def test_an_engine_folder_loads_back_as_the_drafter_it_came_from(tmp_path, check
     folder, drafter = checkpoint(variant, pruned)
     out = export(folder, fmt, tmp_path / fmt)
     assert kind_of_config(config(out)) is KINDS[variant]
-    loaded = load_block_drafter(out, variant)
+    loaded = load_block_drafter(out, VARIANTS[variant])
     assert loaded.config.aux_layer_ids == IDS and loaded.config.mask_token_id == drafter.config.mask_token_id
     mine, theirs = drafter.state_dict(), loaded.state_dict()
     assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)

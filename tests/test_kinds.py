@@ -44,7 +44,8 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     ({"architectures": ["MedusaModel"]}, "medusa"),
     ({"architectures": ["LlamaForCausalLM"]}, "draft_model"),
     ({"architectures": ["DFlashDraftModel"], "variant": "dflash"}, "dflash"),
-    ({"architectures": ["DSparkDraftModel"], "variant": "dspark"}, "dspark"),
+    ({"architectures": ["Qwen3DSparkModel"], "variant": "dspark"}, "dspark"),
+    ({"architectures": ["DSparkDraftModel"], "variant": "dspark"}, "dspark"),  # the name our folders had before
     ({"architectures": ["DSparkDraftModel"], "variant": "dflash"}, None),  # the variant names another architecture
     ({"architectures": ["BertModel"]}, None),
 ])

@@ -26,8 +26,8 @@ from torch import nn
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.models.block import (
-    VARIANTS,
     BlockDrafter,
+    Variant,
     block_config,
     copy_target_layers,
     save_block_drafter,
@@ -39,12 +39,12 @@ from specdrafter.train.eagle import build_draft_vocab
 from specdrafter.train.objectives import acceptance
 
 
-def drafter_config(cfg: DictConfig, target_config, variant: str):
+def drafter_config(cfg: DictConfig, target_config, variant: Variant):
     """The recipe's drafter.block as a models/block.py config for `target_config` (checked there, one line)."""
     b = cfg.drafter.block
     return block_config(target_config, variant, num_layers=b.num_layers, block_size=b.block_size,
                         aux_layer_ids=list(b.aux_layer_ids) or None, mask_token_id=b.mask_token_id,
-                        markov_rank=b.markov_rank if VARIANTS[variant].heads else 0,
+                        markov_rank=b.markov_rank if variant.heads else 0,
                         draft_vocab_size=b.draft_vocab_size, num_features=b.num_features)
 
 
@@ -68,7 +68,7 @@ class BlockTrainingDrafter:
     """A DFlash or DSpark drafter for training: built from the target (its last layers copied in where the tensors
     fit, and a pruned vocabulary counted from the data), its predictions per draft position, and its folder."""
 
-    def __init__(self, cfg: DictConfig, target: nn.Module, variant: str, data=None, tokenizer=None):
+    def __init__(self, cfg: DictConfig, target: nn.Module, variant: Variant, data=None, tokenizer=None):
         b = cfg.drafter.block
         config = drafter_config(cfg, target.config, variant)
         module = BlockDrafter(config).to(MASTER_DTYPE)
