@@ -158,8 +158,9 @@ class DriftCorrectedSpeedup:
 
 @dataclass(frozen=True)
 class SideBySideSpeedup:
-    """An eval cell's speedup with eval.repeats = R > 1: R rounds, each decoding target-only beside the cell prompt by
-    prompt, so that each round's ratio sees one machine speed. Values as results.json stores them (rounded)."""
+    """An eval cell's speedup with eval.repeats = R > 1 (R rounds, each decoding target-only beside the cell prompt by
+    prompt), or a bench_decode arm's (R repeats of every arm interleaved prompt by prompt): each round's ratio sees
+    one machine speed. Values as results.json and bench_decode.json store them (rounded)."""
 
     median: float  # the median (lower middle) of the rounds' tok/s ÷ baseline tok/s
     range: Optional[float]  # their max − min
@@ -183,18 +184,12 @@ Speedup = Union[DriftCorrectedSpeedup, SideBySideSpeedup]
 
 
 def speedup_of(row: dict) -> Optional[Speedup]:
-    """The measured speedup of a results.json cell (or of its summary in scaling.json), None if it has none. Rows
-    written before the two kinds had their own keys — the runs behind docs/results/scaling.json — hold either as
-    "speedup" and "speedup_spread", side-by-side ones with their "speedup_rounds" beside."""
+    """The measured speedup of a results.json cell, its summary in scaling.json or a bench_decode.json row (by the keys
+    of its kind's `row()`), None if it has none."""
     if "speedup_median" in row:
         return SideBySideSpeedup(row["speedup_median"], row.get("speedup_range"), row.get("speedup_rounds", []),
                                  row.get("baseline_tokens_per_s"))
     if "speedup_drift_corrected" in row:
         return DriftCorrectedSpeedup(row["speedup_drift_corrected"], row.get("speedup_drift_spread"),
                                      row.get("speedup_uncorrected"))
-    if row.get("speedup") is None:
-        return None
-    if "speedup_rounds" in row:
-        return SideBySideSpeedup(row["speedup"], row.get("speedup_spread"), row["speedup_rounds"],
-                                 row.get("baseline_tokens_per_s"))
-    return DriftCorrectedSpeedup(row["speedup"], row.get("speedup_spread"), row.get("speedup_uncorrected"))
+    return None

@@ -9,12 +9,13 @@ prompt on a fixed sample of MT-Bench, GSM8K and HumanEval first turns, repeated,
         [--arms eagle3_chain eagle3_asd ...]
 
 Without drafter flags the recipe's own drafter is benchmarked (chain, plus its tree when the recipe sets one).
-Per arm: tokens/s (median over repeats), speedup over target-only with its spread (max − min over repeats of the
-speedup within each repeat; "⚠ noisy" where that exceeds |speedup − 1|), τ, α, c (draft time per drafted token ÷
-target step, measured inside the loop), the formula's predicted speedup from the measured α, c and v(n) (target pass
-over n tokens ÷ one, measured here with its spread and fitted monotone), measured/predicted, and the verifier's time
-per token ÷ target step; for ASD also its regret per prompt, the outputs that differ from strict greedy and its
-speed against the strict arm. Writes bench_decode.json, bench_decode.md and bench_decode.png to --out.
+Per arm: tokens/s (median over repeats), speedup over target-only (the median over repeats of the speedup within
+each repeat, under results.json's side-by-side keys: speedup_median, speedup_range, speedup_rounds) with its spread
+(their max − min; "⚠ noisy" where that exceeds |speedup − 1|), τ, α, c (draft time per drafted token ÷ target step,
+measured inside the loop), the formula's predicted speedup from the measured α, c and v(n) (target pass over n tokens
+÷ one, measured here with its spread and fitted monotone), measured/predicted, and the verifier's time per token ÷
+target step; for ASD also its regret per prompt, the outputs that differ from strict greedy and its speed against
+the strict arm. Writes bench_decode.json, bench_decode.md and bench_decode.png to --out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -34,7 +35,15 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_writ
 from specdrafter.core.recipe import DrafterKind
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.eval.acceptance import NOISY, NOISY_LEGEND, cycle_metrics, is_noisy, range_of, spread_label
+from specdrafter.eval.acceptance import (
+    NOISY,
+    NOISY_LEGEND,
+    SideBySideSpeedup,
+    cycle_metrics,
+    is_noisy,
+    range_of,
+    spread_label,
+)
 from specdrafter.eval.report import machine_line
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import GenerationResult
@@ -202,12 +211,14 @@ def speeds(arm: Arm, t: float) -> List[float]:
     return [n / s for n, s in arm.runs[t]]
 
 
-def speedup_with_spread(mine: List[float], base: List[float]) -> Tuple[float, Optional[float]]:
-    """(median tok/s ÷ the baseline's median tok/s, the spread: max − min over repeats of the per-repeat ratio —
-    both ran in the same repeat, interleaved, so the ratio cancels what the machine did between repeats; None with
-    a single repeat)."""
-    return (statistics.median(mine) / statistics.median(base),
-            range_of([x / y for x, y in zip(mine, base)]))
+def side_by_side(mine: List[float], base: List[float]) -> SideBySideSpeedup:
+    """The speedup of tok/s `mine` over the baseline's `base`, one of each per repeat: both ran in the same repeat,
+    interleaved, so each repeat's ratio cancels what the machine did between repeats. Its median (the lower middle
+    one for an even count), their max − min (None with a single repeat), the ratios, the median repeat's baseline."""
+    ratios = [x / y for x, y in zip(mine, base)]
+    median = statistics.median_low(ratios)
+    return SideBySideSpeedup(round(median, 3), _round(range_of(ratios)), [round(x, 3) for x in ratios],
+                             round(base[ratios.index(median)], 2))
 
 
 def _round(x: Optional[float], digits: int = 3) -> Optional[float]:
@@ -224,28 +235,27 @@ def table(arms: List[Arm], temperatures: List[float], one: float, v: Dict[int, f
         for a in arms:
             if t not in a.runs:
                 continue
-            speedup, spread = speedup_with_spread(speeds(a, t), speeds(target, t))
+            speedup = side_by_side(speeds(a, t), speeds(target, t))
             row = {"temperature": t, "arm": a.name, "shape": a.shape, "tokens_per_s": round(statistics.median(speeds(a, t)), 2),
-                   "speedup": round(speedup, 3), "speedup_spread": _round(spread),
-                   "repeats": [round(x, 2) for x in speeds(a, t)]}
+                   **speedup.row(), "repeats": [round(x, 2) for x in speeds(a, t)]}
             if len(groups) > 1:
-                by_set = {name: speedup_with_spread(set_speeds(a, t, m), set_speeds(target, t, m)) for name, m in groups.items()}
-                row["speedup_by_set"] = {name: round(x, 3) for name, (x, _) in by_set.items()}
-                row["speedup_by_set_spread"] = {name: _round(s) for name, (_, s) in by_set.items()}
+                by_set = {name: side_by_side(set_speeds(a, t, m), set_speeds(target, t, m)) for name, m in groups.items()}
+                row["speedup_by_set"] = {name: s.median for name, s in by_set.items()}
+                row["speedup_by_set_spread"] = {name: s.range for name, s in by_set.items()}
             if a.cycles.get(t):  # the first repeat's cycles and tokens
                 metrics = cycle_metrics(a.cycles[t], a.runs[t][0][0], one, v, chain=bool(a.k))
                 keep = ["k_used", "mean_drafted", "mean_tree_size", "tau", "alpha", "c", "predicted_speedup",
                         "verifier_per_token_vs_target_step"]
                 row.update({key: value for key, value in metrics.rounded().items() if key in keep})
                 if metrics.predicted_speedup:
-                    row["measured_over_predicted"] = round(speedup / metrics.predicted_speedup, 3)
+                    row["measured_over_predicted"] = round(speedup.median / metrics.predicted_speedup, 3)
             strict = next((b for b in arms if b.name == a.name.replace("_asd", "_chain")), None)
             if a.name.endswith("_asd") and strict is not None and t in strict.outputs:  # ASD is lossy: what it cost
                 pairs = list(zip(a.outputs[t], strict.outputs[t]))
-                ratio, ratio_spread = speedup_with_spread(speeds(a, t), speeds(strict, t))
+                ratio = side_by_side(speeds(a, t), speeds(strict, t))
                 row.update(asd_regret_per_prompt=round(a.regret[t] / len(pairs), 3),
                            outputs_differing=f"{sum(x != y for x, y in pairs)}/{len(pairs)}",
-                           vs_strict=round(ratio - 1, 3), vs_strict_spread=_round(ratio_spread))
+                           vs_strict=round(ratio.median - 1, 3), vs_strict_spread=ratio.range)
             rows.append(row)
     return rows
 
@@ -258,8 +268,8 @@ def markdown(rows: List[dict], header: str) -> str:
         shape = r["shape"] + (f" ({r['k_used']})" if "auto" in r["shape"] and r.get("k_used") else "")
         shape += f" (mean {r['mean_tree_size']:g})" if "auto" in r["shape"] and r.get("mean_tree_size") else ""
         shape += f" (mean {r['mean_drafted']:g})" if "confidence" in r["shape"] and r.get("mean_drafted") else ""
-        lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup']} | "
-                     f"{spread_label(r['speedup'], r.get('speedup_spread'))} | "
+        lines.append(f"| {r['temperature']:g} | {r['arm']} | {shape} | {r['tokens_per_s']} | {r['speedup_median']} | "
+                     f"{spread_label(r['speedup_median'], r['speedup_range'])} | "
                      f"{r.get('tau', '')} | {r.get('alpha', '')} | {r.get('c', '')} | {r.get('predicted_speedup', '')} | "
                      f"{r.get('measured_over_predicted', '')} | {r.get('verifier_per_token_vs_target_step', '')} |")
     lines += ["", "spread: max − min over the repeats of the speedup measured within each repeat (none with one repeat). "
@@ -297,7 +307,7 @@ def plot(rows: List[dict], temperatures: List[float], path: Path) -> None:
     for j, t in enumerate(temperatures):
         by = {r["arm"]: r for r in rows if r["temperature"] == t}
         xs = [i + j * width for i, n in enumerate(names) if n in by]
-        ax.bar(xs, [by[n]["speedup"] for n in names if n in by], width, label=f"measured, T={t:g}")
+        ax.bar(xs, [by[n]["speedup_median"] for n in names if n in by], width, label=f"measured, T={t:g}")
         ax.plot([x for x, n in zip(xs, [n for n in names if n in by]) if "predicted_speedup" in by[n]],
                 [by[n]["predicted_speedup"] for n in names if n in by and "predicted_speedup" in by[n]], "k_", ms=14)
     ax.axhline(1, color="grey", lw=0.8, ls="--")

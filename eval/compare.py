@@ -108,7 +108,7 @@ def _spread(spread: Optional[float]) -> str:
 
 
 def _bench_speedup(row: dict) -> str:
-    return f"{row['speedup']:.2f}×{_spread(row.get('speedup_spread'))} at k {row.get('k_used')}"
+    return f"{row['speedup_median']:.2f}×{_spread(row['speedup_range'])} at k {row.get('k_used')}"
 
 
 def _verdict(value: Optional[float], goal: float, unit: str = "") -> str:
@@ -141,7 +141,7 @@ def goals(found: dict) -> List[dict]:
         measured += [f"{_bench_speedup(r32)} with the fp32 target (the faster dtype on a CPU without native bf16)"] if r32 else []
         rows.append({"id": f"bench_t{t:g}", "goal": f"bench_decode, bf16 target, T = {t:g}: {us} ≥ {goal}× over "
                      "target-only", "measured": "; ".join(measured),
-                     "verdict": _verdict(r["speedup"] if r else None, goal, "×")})
+                     "verdict": _verdict(r["speedup_median"] if r else None, goal, "×")})
     asd = _bench_row(found["benches"].get(f"bench-{candidate}"), f"{arm}_asd", 0.0)
     rows.append({"id": "asd", "goal": f"ASD over strict on the same {us}, T = 0: ≥ +{ASD_GAIN:.0%} tokens/s",
                  "measured": (f"{asd['vs_strict']:+.1%}{_spread(asd.get('vs_strict_spread'))}; regret/prompt "
@@ -201,7 +201,7 @@ def positions_table(found: dict) -> str:
 
 def bench_table(bench: dict) -> str:
     return cell_table(bench["rows"], [("T", "temperature"), ("arm", "arm"), ("shape", "shape"), ("tok/s", "tokens_per_s"),
-                                  ("speedup", "speedup"), ("spread", "speedup_spread"), ("τ", "tau"), ("α", "alpha"),
+                                  ("speedup", "speedup_median"), ("spread", "speedup_range"), ("τ", "tau"), ("α", "alpha"),
                                   ("c", "c"), ("k used", "k_used"), ("predicted", "predicted_speedup")])
 
 

@@ -13,7 +13,8 @@ results.json (schema 1; "sha256": of the rest of the file, checked on a rerun �
                  "target_step_spread": its interquartile range ÷ median over the repeats, "v_repeats",
                  "v": {"n": target pass over n tokens ÷ one, fitted monotone non-decreasing in n (isotonic regression)},
                  "v_raw": {"n": the median over repeats of each repeat's n-token pass ÷ its 1-token pass},
-                 "v_spread": {"n": interquartile range ÷ median of those ratios}},
+                 "v_spread": {"n": interquartile range ÷ median of those ratios}},   measured before the first
+                                  cell is decoded ({} until then)
      "baselines": {"<set>|T=<t>": {"tokens", "seconds", "tokens_per_s", "outputs", "target_step_s",
                                    "target_step_spread"}},   target-only HF generate, and the target step measured
                                   around it (median and interquartile range ÷ median of 5 timings before + 5 after)
@@ -34,7 +35,6 @@ results.json (schema 1; "sha256": of the rest of the file, checked on a rerun �
                 "speedup_median",   their median (the lower middle one for an even R)
                 "speedup_range",    their max − min
                 "baseline_tokens_per_s",   the median round's target-only tok/s
-                  (rows written before the two kinds had their own keys hold either as "speedup", "speedup_spread")
                 "tau",            tokens per target pass, bonus included
                 "alpha",          accepted drafts / draft positions tried
                 "per_position",   P(draft j accepted | drafts 1..j−1 accepted), j = 1..k (trees: by depth)
@@ -76,7 +76,7 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
-from specdrafter.core.recipe import save_recipe
+from specdrafter.core.recipe import ASDConfig, save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (
@@ -95,7 +95,6 @@ from specdrafter.inference.autotune import (
     relative_spread,
     time_passes,
 )
-from specdrafter.inference.decode import ASDSettings
 from specdrafter.inference.decoder import build_decoder
 from specdrafter.jobs.cli import cli
 from specdrafter.kinds import kind_of
@@ -151,10 +150,6 @@ def settings(cfg: DictConfig) -> dict:
             "target": cfg.target.model, "repeats": e.repeats}
 
 
-# Knobs a results.json may lack, at the value it was made with: the scaling curve's early runs (docs/results/scaling.md)
-# are evaluated again, cells skipped, whenever launch/scaling.py rebuilds its report.
-SETTINGS_ADDED_LATER = {"repeats": 1}
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -165,7 +160,7 @@ class Cell:
     temperature: float
     verifier: str  # chain, asd, tree or typical
     k: Union[int, str]  # the block length, or "auto"
-    asd: Optional[ASDSettings] = None  # ASD cells only
+    asd: Optional[ASDConfig] = None  # ASD cells only
     sweep: bool = False  # a cell of the speedup-vs-k sweep
 
     @property
@@ -202,7 +197,7 @@ class Results:
                  "machine": {}, "baselines": {}, "cells": []}
         self.data = self._read() if self.path.is_file() else None
         if self.data is not None:
-            saved = {**SETTINGS_ADDED_LATER, **self.data.get("settings", {})}
+            saved = self.data.get("settings", {})
             changed = [k for k, v in fresh["settings"].items() if saved.get(k) != v]
             if self.data.get("drafter") != fresh["drafter"] or changed:
                 what = ", ".join(changed) or "drafter.kind"
@@ -274,7 +269,7 @@ def run_eval(cfg: DictConfig) -> Path:
     log.info(f"evaluation: {len(plan)} cells ({len(plan) - len(todo)} already in {results.path}) → {out}")
     if todo:
         _measure_machine(cfg, results, target, prompts[next(iter(prompts))][0], todo)
-    machine = machine_costs(results.data["machine"])
+    machine = machine_costs(results.data["machine"]) if todo else None  # nothing to decode: "machine" may be {}
 
     bar = tqdm(total=len(todo), desc="eval cells", unit="cell")
     loaded: Dict[str, tuple] = {}
@@ -341,12 +336,10 @@ def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int
 
 
 def machine_costs(machine: dict) -> PassCosts:
-    """results.json's "machine" as the tuners and predictions use it. A file with only the fitted v (the scaling
-    curve's early runs, read again when launch/scaling.py rebuilds its report) gets v as its raw medians and no spread."""
-    raw = machine.get("v_raw") or machine.get("v") or {"1": 1.0}
-    return PassCosts(machine.get("target_step_s", 0.0), {int(n): x for n, x in raw.items()},
-                     {int(n): x for n, x in machine.get("v_spread", {}).items()}, machine.get("target_step_spread", 0.0),
-                     machine.get("v_repeats", 1))
+    """results.json's "machine" (as _measure_machine writes it) as the tuners and predictions use it."""
+    return PassCosts(machine["target_step_s"], {int(n): x for n, x in machine["v_raw"].items()},
+                     {int(n): x for n, x in machine["v_spread"].items()}, machine["target_step_spread"],
+                     machine["v_repeats"])
 
 
 def _timed_cell(cfg: DictConfig, cell: Cell, context: CellContext, target, beside=None) -> dict:
@@ -426,7 +419,7 @@ def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verif
         for name in sets:
             add(newest, name, 0.0, "chain")  # the strict reference
             for setting in [[a.budget, a.gate, a.max_mismatches], *e.asd_sweep]:
-                add(newest, name, 0.0, "asd", asd=ASDSettings(float(setting[0]), float(setting[1]), int(setting[2])))
+                add(newest, name, 0.0, "asd", asd=ASDConfig(float(setting[0]), float(setting[1]), int(setting[2])))
     return plan
 
 

@@ -83,13 +83,10 @@ def alpha_per_token(cycles: List[CycleStats]) -> float:
     return acceptance_rate(sum(c.accepted for c in cycles), positions_tried(cycles))
 
 
-ASDSettings = ASDConfig  # the recipe's inference.asd (budget, gate, max_mismatches): its defaults are the schema's
-
-
 @torch.no_grad()
 def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
                          params: SamplingParams = SamplingParams(0.0), k: Union[int, BlockLengthTuner] = 4,
-                         eos_token_ids: Sequence[int] = (), asd: Optional[ASDSettings] = None,
+                         eos_token_ids: Sequence[int] = (), asd: Optional[ASDConfig] = None,
                          generator: Optional[torch.Generator] = None, record_tv: bool = False) -> GenerationResult:
     """Decode up to `max_new_tokens` after `prompt_ids`, drafting k tokens per cycle with `proposer`.
 

@@ -181,7 +181,8 @@ def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
 def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, tiny_target, run_dir):
     """eval.repeats = 3: every cell decoded three times, target-only decoding beside it prompt by prompt; its speedup is the
     median of the three ratios and its spread their range; the tokens are those of a single run. An older
-    results.json without the knob resumes at repeats = 1; another value is refused, naming it."""
+    results.json without the knob is refused until docs/results/migrate_result_keys.py rewrites it, then resumes at
+    repeats = 1; another value is refused, naming it."""
     args = ("eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[chain]", "eval.k_sweep=[]",
             f"eval.checkpoint={run_dir}/checkpoints/step-000004")
     once, thrice = tmp_path / "once", tmp_path / "thrice"
@@ -209,6 +210,9 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
     old = json.loads((once / "results.json").read_text())
     del old["sha256"], old["settings"]["repeats"]  # as written before eval.repeats existed
     (once / "results.json").write_text(json.dumps({**old, "sha256": json_digest(old)}))
+    with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):
+        run_eval(eval_recipe(tiny_target, run_dir, once, *args))
+    subprocess.run([sys.executable, str(REPO / "docs" / "results" / "migrate_result_keys.py"), str(once)], check=True)
     run_eval(eval_recipe(tiny_target, run_dir, once, *args))  # resumes: nothing to do
     assert json.loads((once / "results.json").read_text())["cells"] == list(single.values())  # not re-measured
     with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):
@@ -246,7 +250,8 @@ def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
     assert arms == [(t, a) for t in (0.0, 1.0) for a in ("target", "hf_assisted", "draft_model_chain", "draft_model_tree")]
     assert data["v"]["1"] == 1.0 and set(data["v_raw"]) == set(data["v_spread"]) == set(data["v"])
     for r in data["rows"]:
-        assert len(r["repeats"]) == 2 and r["tokens_per_s"] > 0 and r["speedup_spread"] >= 0
+        assert len(r["repeats"]) == len(r["speedup_rounds"]) == 2 and r["tokens_per_s"] > 0 and r["speedup_range"] >= 0
+        assert r["speedup_median"] == min(r["speedup_rounds"])  # the lower middle of two repeats' speedups
         if r["arm"].startswith("draft_model"):
             assert {"tau", "alpha", "c", "predicted_speedup", "measured_over_predicted"} <= set(r)
     target_row = next(r for r in data["rows"] if r["arm"] == "target")
@@ -263,29 +268,31 @@ def test_report_and_benchmark_flag_a_speedup_within_its_spread(tmp_path):
     from specdrafter.eval.bench_decode import markdown
     from specdrafter.eval.report import write_report
 
-    def cell(name, speedup, spread, keys=("speedup_drift_corrected", "speedup_drift_spread")):
+    def cell(name, speedup, spread):
         return {"id": name, "checkpoint": "step-000004", "step": None, "set": name, "temperature": 0.0, "verifier": "chain",
                 "k": 2, "tree_size": None, "asd": None, "sweep": False, "alpha": 0.3, "tau": 1.3, "tokens_per_s": 10.0,
-                keys[0]: speedup, keys[1]: spread, "speedup_uncorrected": speedup, "per_position": [0.3, 0.2],
+                "speedup_drift_corrected": speedup, "speedup_drift_spread": spread, "speedup_uncorrected": speedup,
+                "per_position": [0.3, 0.2],
                 "per_position_n": [10, 3], "outputs": f"outputs/{name}.jsonl"}
     data = {"drafter": "draft_model", "target": "tiny", "settings": {"num_prompts": 2, "max_new_tokens": 8},
             "machine": {"target_step_s": 0.01, "target_step_spread": 0.03, "v": {"1": 1.0, "2": 1.2, "3": 1.2},
                         "v_raw": {"1": 1.0, "2": 1.25, "3": 1.15}, "v_spread": {"1": 0.0, "2": 0.04, "3": 0.05}},
             "baselines": {}, "cells": [cell("noisy", 1.05, 0.08), cell("clear", 1.5, 0.05),
-                      cell("old", 1.02, None, keys=("speedup", "speedup_spread"))]}  # before the kinds had their own keys
+                      cell("unknown", 1.02, None)]}
     report = write_report(data, tmp_path).read_text()
     rows = {}
     for line in report.splitlines():  # the first table's row of each set
         if line.startswith("| "):
             rows.setdefault(line.split(" | ")[0].strip("| "), line)
     assert "| 1.05 | 0.08 ⚠ noisy |" in rows["noisy"] and "| 1.5 | 0.05 |" in rows["clear"]
-    assert "| 1.02 |  | 1.02 |" in rows["old"]  # results.json from before spreads were recorded: nothing to flag
+    assert "| 1.02 |  | 1.02 |" in rows["unknown"]  # no spread recorded: nothing to flag
     assert "⚠ noisy: the speedup's spread is larger than its distance from 1×" in report
     assert "2: 1.20 [raw 1.25, spread 4 %]" in report and "target step 10.0 ms (spread 3 %)" in report
 
-    bench = [{"temperature": 0.0, "arm": "target", "shape": "", "tokens_per_s": 10, "speedup": 1.0, "speedup_spread": 0.0},
-             {"temperature": 0.0, "arm": "eagle3_chain", "shape": "k=1", "tokens_per_s": 10.4, "speedup": 1.04,
-              "speedup_spread": 0.09}]
+    bench = [{"temperature": 0.0, "arm": "target", "shape": "", "tokens_per_s": 10, "speedup_median": 1.0,
+              "speedup_range": 0.0},
+             {"temperature": 0.0, "arm": "eagle3_chain", "shape": "k=1", "tokens_per_s": 10.4, "speedup_median": 1.04,
+              "speedup_range": 0.09}]
     md = markdown(bench, "header")
     assert "| 1.04 | 0.09 ⚠ noisy |" in md and "| 1.0 | 0 |" in md and "⚠ noisy: the speedup's spread" in md
 
@@ -346,10 +353,10 @@ def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
 def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
     """runs/<variant>/ as the comparison's training leaves it: a tiny block drafter's checkpoint, its trainer_state
     with its tokens and seconds, then its evaluation (eval/results.json) by the eval job. Returns the checkpoint."""
-    from specdrafter.models.block import BlockDrafter, block_config, save_block_drafter
+    from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, save_block_drafter
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     torch.manual_seed(0)
-    drafter = BlockDrafter(block_config(target.config, variant, num_layers=1, block_size=4, target_layer_ids=[0], **extra))
+    drafter = BlockDrafter(block_config(target.config, VARIANTS[variant], num_layers=1, block_size=4, aux_layer_ids=[1], **extra))
     folder = runs / variant / "checkpoints" / "step-000002"
     save_block_drafter(drafter, folder / "drafter")
     (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "tokens": 900, "seconds": 3.0, "drafter": variant,
@@ -359,7 +366,7 @@ def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
         f"output_dir={out}", f"target.model={tiny_target}", f"eval.checkpoint={runs / variant}",
         f"eval.output_dir={out}", "eval.sets=[mtbench]", "eval.num_prompts=1", "eval.max_new_tokens=8",
         "eval.temperatures=[0,1]", "eval.k_sweep=[2]", "eval.repeats=1", "inference.k=3",
-        "drafter.block.block_size=4", "drafter.block.target_layer_ids=[0]"])
+        "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1]"])
     run_eval(cfg)
     return folder
 

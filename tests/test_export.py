@@ -445,9 +445,9 @@ def test_card_recipe_and_step_with_no_paths_or_tokens(tmp_path, monkeypatch, che
         {"checkpoint": "step-000004", "step": 4, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 3,
          "alpha": 0.612, "tau": 2.25, "speedup_drift_corrected": 1.71, "sweep": False},
         {"checkpoint": "step-000004", "step": 4, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 5,
-         "alpha": 0.5, "tau": 2.0, "speedup": 1.5, "sweep": True},
+         "alpha": 0.5, "tau": 2.0, "speedup_drift_corrected": 1.5, "sweep": True},
         {"checkpoint": "step-000002", "step": 2, "set": "mtbench", "temperature": 0.0, "verifier": "chain", "k": 7,
-         "alpha": 0.4, "tau": 1.9, "speedup": 1.4, "sweep": False}]}))
+         "alpha": 0.4, "tau": 1.9, "speedup_drift_corrected": 1.4, "sweep": False}]}))
     shutil.copy(run / "recipe.yaml", folder / "recipe.yaml")
     out = export(run, "speculators", tmp_path / "card", repo_id="someone/smol-eagle3")  # a run dir: its newest complete
 

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError, write_checkpoint_state
-from specdrafter.inference.decode import ASDSettings, speculative_generate
+from specdrafter.core.recipe import ASDConfig
+from specdrafter.inference.decode import speculative_generate
 from specdrafter.inference.proposers import DraftModelProposer, check_vocabularies, self_draft
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.jobs.decode import decode, load_decoder, resolve_drafter
@@ -87,7 +88,7 @@ def test_asd_at_zero_budget_reproduces_strict_greedy(tiny_pair):
     target, draft = tiny_pair
     strict = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4)
     asd0 = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
-                                asd=ASDSettings(budget=0.0))
+                                asd=ASDConfig(budget=0.0))
     assert asd0.tokens == strict.tokens and asd0.asd_regret == 0
 
 
@@ -99,7 +100,7 @@ def test_asd_with_a_budget_accepts_cheap_mismatches_and_charges_their_exact_regr
     target, draft = tiny_pair
     strict = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4)
     asd = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], 20, SamplingParams(0.0), 4,
-                               asd=ASDSettings(budget=1.0, gate=0.25, max_mismatches=2))
+                               asd=ASDConfig(budget=1.0, gate=0.25, max_mismatches=2))
     assert len(asd.tokens) == 20 and asd.tokens != strict.tokens
     assert sum(c.accepted + 1 for c in asd.cycles) == 20  # no accepted token was cut off by max_new_tokens
     with torch.no_grad():
@@ -118,7 +119,7 @@ def test_asd_charges_only_the_mismatches_it_emits_when_max_new_tokens_cuts_a_blo
     cut = 0
     for n in range(2, 10):  # before the fix, n = 2, 3, 6, 7, 8 charged 1.11 for 0.46 emitted, ... 2.50 for 2.08
         asd = speculative_generate(target, DraftModelProposer(draft), PROMPTS[1], n, SamplingParams(0.0), 4,
-                                   asd=ASDSettings(budget=3.0, gate=0.5, max_mismatches=4))
+                                   asd=ASDConfig(budget=3.0, gate=0.5, max_mismatches=4))
         with torch.no_grad():
             z = target(torch.tensor([PROMPTS[1] + asd.tokens])).logits[0, len(PROMPTS[1]) - 1:-1].double()
         regret = sum(float(z[i].max() - z[i, x]) for i, x in enumerate(asd.tokens))
@@ -139,7 +140,7 @@ def test_bad_input_is_refused_in_one_line(tiny_pair):
     with pytest.raises(SpecdrafterError, match="empty prompt"):
         speculative_generate(target, DraftModelProposer(draft), [], 5)
     with pytest.raises(SpecdrafterError, match="greedy decoding only"):
-        speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, SamplingParams(1.0), asd=ASDSettings())
+        speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, SamplingParams(1.0), asd=ASDConfig())
     for n in (0, -1, 2.5):  # 0 used to decode forever: the loop stopped only when the count equalled it
         with pytest.raises(SpecdrafterError, match=r"max_new_tokens must be an integer >= 1"):
             speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], n)

@@ -72,15 +72,14 @@ def test_the_trend_is_alphas_slope_per_decade_and_its_extrapolation_to_tau_3():
     assert trend_lines(runs, {"source": "dataset"}, ["mt|T=0"])[-1].endswith("| never (α does not grow) |")
 
 
-def test_summary_keeps_each_speedup_kind_and_reads_rows_from_before_they_had_their_own_keys(tmp_path):
-    """summarise() stores a cell's speedup under its kind's keys; rows and summaries written when both kinds were
-    "speedup" / "speedup_spread" (docs/results/scaling.json) still print, each with its spread."""
+def test_summary_keeps_each_speedup_kind(tmp_path):
+    """summarise() stores a cell's speedup under its kind's keys; the report prints each with its spread."""
     from specdrafter.eval.scaling import summarise, write_scaling_report
     base = {"sweep": False, "set": "mt", "verifier": "chain", "tau": 1.5, "alpha": 0.3}
     cells = [{**base, "temperature": 0.0, "speedup_drift_corrected": 1.2, "speedup_drift_spread": 0.05,
               "speedup_uncorrected": 1.1},
-             {**base, "temperature": 1.0, "speedup": 1.08, "speedup_spread": 0.11, "speedup_rounds": [1.0, 1.08, 1.11],
-              "baseline_tokens_per_s": 18.7},  # side by side, old keys
+             {**base, "temperature": 1.0, "speedup_median": 1.08, "speedup_range": 0.11,
+              "speedup_rounds": [1.0, 1.08, 1.11], "baseline_tokens_per_s": 18.7},
              {**base, "verifier": "tree", "temperature": 0.0, "speedup_median": 0.9, "speedup_range": 0.02,
               "speedup_rounds": [0.89, 0.9, 0.91], "baseline_tokens_per_s": 20.0}]
     (tmp_path / "results.json").write_text(json.dumps({"cells": cells}))
@@ -88,11 +87,11 @@ def test_summary_keeps_each_speedup_kind_and_reads_rows_from_before_they_had_the
     assert summary["mt|T=0|chain"]["speedup_drift_spread"] == 0.05 and "speedup_median" not in summary["mt|T=0|chain"]
     assert summary["mt|T=1|chain"]["speedup_median"] == 1.08 and summary["mt|T=1|chain"]["speedup_range"] == 0.11
     assert summary["mt|T=0|tree"]["speedup_median"] == 0.9
-    old = {"tau": 1.4, "alpha": 0.25, "speedup": 0.66, "speedup_spread": None}  # a summary in docs/results/scaling.json
+    old = {"tau": 1.4, "alpha": 0.25, "speedup_drift_corrected": 0.66, "speedup_drift_spread": None}
     runs = {"dataset-100": {"source": "dataset", "budget": 100, "step": 5, "cells": summary},
             "dataset-10": {"source": "dataset", "budget": 10, "step": 1, "cells": {"mt|T=1|tree": old}}}
     write_scaling_report({"runs": runs, "settings": {"source": "dataset", "budgets": [10, 100], "epochs": 1, "k": 4}},
                          tmp_path)
     rows = [line for line in (tmp_path / "scaling.md").read_text().splitlines() if line.startswith("| dataset-")]
-    assert len(rows) == 4 and rows[1].endswith("| – | 0.66× |")  # the old summary: no spread recorded
+    assert len(rows) == 4 and rows[1].endswith("| – | 0.66× |")  # no spread recorded
     assert rows[2].endswith("| 1.20× ± 0.05 | 0.90× ± 0.02 |") and rows[3].endswith("| 1.08× ± 0.11 | – |")
