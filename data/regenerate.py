@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import datasets
 import torch
@@ -491,6 +491,64 @@ def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int
 # ------------------------------------------------------------------------------------------------- job
 def generate_dataset(cfg: DictConfig) -> dict:
     """The data job: select prompts, regenerate responses with the target shard by shard, cache features."""
+    out = prepare_output(cfg)
+    run = start_run(cfg, out)
+    todo = shards_to_make(run)
+    generation = generate_missing(run, todo)
+    if cfg.data.workers > 1:  # hidden states the same way: its own shards first, then any no worker holds
+        if run.layer_ids:
+            cache_claimed_hidden(run)
+        waiting = waiting_shards(run)
+        if waiting:  # shards other workers still hold: the last worker to finish assembles stats.json
+            return report_waiting(run, generation, waiting)
+    dataset = load_generated(out, num_shards=len(run.shards))
+    if run.layer_ids:
+        for i in range(len(run.shards)):
+            cache_hidden(run, i)
+    return write_stats(run, generation, dataset)
+
+
+@dataclass
+class DataRun:
+    """What the data job's steps share: the recipe, the output folder, the checked target and the selected shards."""
+    cfg: DictConfig
+    out: Path
+    model: Any
+    tokenizer: Any
+    layer_ids: List[int]  # data.hidden_states.layer_ids, checked against the target
+    hidden_dtype: torch.dtype
+    context: int  # the target's context window
+    max_prompt: int  # tokens a user turn may have
+    selection: PromptSelection
+    shards: List[List[dict]]  # the selected prompts, data.shard_size per shard
+    settings: dict  # settings_fingerprint(cfg), recorded in (and checked against) every shard
+    eos: List[int]
+
+
+@dataclass
+class Generation:
+    """What this run regenerated, for stats.json's this_run: tokens, time, shards made, why conversations ended;
+    `on_batch` / `on_turn` feed its progress bar."""
+    progress: tqdm
+    start: float = 0.0  # set after the engine's probe: tokens/s is the regeneration's own
+    seconds: float = 0.0
+    tokens: int = 0  # counted per turn
+    live_tokens: int = 0  # counted per batch, by the in-process engine only
+    made: List[int] = field(default_factory=list)
+    ended: Dict[str, int] = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)  # the engine's probe facts and counters
+
+    def on_batch(self, num_prompts: int, num_tokens: int) -> None:  # in-process engine: live speed within a turn
+        self.live_tokens += num_tokens
+        self.progress.set_postfix_str(f"{self.live_tokens / (time.perf_counter() - self.start):.1f} tok/s")
+
+    def on_turn(self, num_conversations: int, num_tokens: int) -> None:
+        self.tokens += num_tokens
+        self.progress.update(num_conversations)
+
+
+def prepare_output(cfg: DictConfig) -> Path:
+    """Check data.worker, create the output folder, save the resolved recipe and drop a killed run's temps."""
     d = cfg.data
     if d.worker >= d.workers:
         raise SpecdrafterError(f"recipe key 'data.worker' ({d.worker}) must be below data.workers ({d.workers}): "
@@ -498,22 +556,45 @@ def generate_dataset(cfg: DictConfig) -> dict:
     out = Path(cfg.output_dir).expanduser()
     (out / "shards").mkdir(parents=True, exist_ok=True)
     save_recipe(cfg, out)
-    if d.workers == 1:  # parallel workers clean up only their own shards' temps (below)
+    if d.workers == 1:  # parallel workers clean up only their own shards' temps (make_shards, cache_hidden)
         remove_stale_temps(out / "shards")
         remove_stale_temps(out / "hidden")
+    return out
 
+
+def start_run(cfg: DictConfig, out: Path) -> DataRun:
+    """Load the prompt set and the target, check them against the recipe, select the prompts and cut the shards."""
+    d = cfg.data
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
     model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
     layer_ids = list(d.hidden_states.layer_ids)
     check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
-
     overhead = len(user_prompt_ids(tokenizer, ""))
     context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    max_prompt = prompt_budget(d, context, overhead)
+    selection = checked_selection(records, tokenizer, d, max_prompt)
+    hidden_dtype = getattr(torch, d.hidden_states.dtype.value)
+    if layer_ids:
+        reserve_hidden_space(out, len(selection.prompts) * (max_prompt + overhead + d.max_new_tokens), layer_ids,
+                             model.config.hidden_size, hidden_dtype)
+    for p in selection.prompts:
+        p["source"] = response_source(d, p["id"])
+    shards = [selection.prompts[i:i + d.shard_size] for i in range(0, len(selection.prompts), d.shard_size)]
+    return DataRun(cfg, out, model, tokenizer, layer_ids, hidden_dtype, context, max_prompt, selection, shards,
+                   settings_fingerprint(cfg), eos_token_ids(model, tokenizer))
+
+
+def prompt_budget(d: DictConfig, context: int, overhead: int) -> int:
+    """The most tokens a user turn may have: what the context leaves after the template and the response."""
     room = context - d.max_new_tokens - overhead
     if room < max(d.min_prompt_tokens, 1):
         raise SpecdrafterError(f"recipe keys 'data.max_new_tokens' ({d.max_new_tokens}) and 'data.min_prompt_tokens' "
                                f"({d.min_prompt_tokens}) do not fit the target's context of {context} tokens")
-    max_prompt = min(d.max_prompt_tokens, room)
+    return min(d.max_prompt_tokens, room)
+
+
+def checked_selection(records: List[dict], tokenizer, d: DictConfig, max_prompt: int) -> PromptSelection:
+    """`select_prompts`, its counts logged; raises if no prompt is left, warns if fewer than asked for are."""
     selection = select_prompts(records, tokenizer, d, max_prompt, evaluation_texts(d.exclude))
     c = selection.counts
     log.info(f"prompts: considered {c['considered']}, selected {c['selected']} (too short {c['too_short']}, over "
@@ -525,141 +606,173 @@ def generate_dataset(cfg: DictConfig) -> dict:
                                f"{c['eval_excluded']} evaluation prompts); relax data.min_prompt_tokens / max_prompt_tokens")
     if len(selection.prompts) < d.num_conversations:
         log.warning(f"only {len(selection.prompts)} of data.num_conversations={d.num_conversations} prompts survive filtering")
+    return selection
 
-    hidden_dtype = getattr(torch, d.hidden_states.dtype.value)
-    if layer_ids:
-        (out / "hidden").mkdir(exist_ok=True)
-        upper = hidden_states_bytes(len(selection.prompts) * (max_prompt + overhead + d.max_new_tokens), len(layer_ids),
-                                    model.config.hidden_size, hidden_dtype)
-        log.info(f"hidden-state cache: at most {upper / 2**30:.2f} GiB for layers {layer_ids}")
-        check_free_space(upper, out)
 
-    for p in selection.prompts:
-        p["source"] = response_source(d, p["id"])
-    settings = settings_fingerprint(cfg)
-    eos = eos_token_ids(model, tokenizer)
-    shards = [selection.prompts[i:i + d.shard_size] for i in range(0, len(selection.prompts), d.shard_size)]
+def reserve_hidden_space(out: Path, max_tokens: int, layer_ids: List[int], hidden_size: int,
+                         dtype: torch.dtype) -> None:
+    """Create hidden/ and refuse to start when the disk cannot hold the cache of `max_tokens` tokens."""
+    (out / "hidden").mkdir(exist_ok=True)
+    upper = hidden_states_bytes(max_tokens, len(layer_ids), hidden_size, dtype)
+    log.info(f"hidden-state cache: at most {upper / 2**30:.2f} GiB for layers {layer_ids}")
+    check_free_space(upper, out)
+
+
+def shards_to_make(run: DataRun) -> List[int]:
+    """The shards still to generate: missing ones, and damaged ones (moved aside first)."""
     todo = []
-    for i, prompts in enumerate(shards):
-        folder = out / "shards" / shard_name(i)
-        problem = shard_problem(folder, [p["id"] for p in prompts], settings) if folder.exists() else "missing"
+    for i, prompts in enumerate(run.shards):
+        folder = run.out / "shards" / shard_name(i)
+        problem = shard_problem(folder, [p["id"] for p in prompts], run.settings) if folder.exists() else "missing"
         if problem not in (None, "missing"):
-            move_aside(folder, out, problem)
+            move_aside(folder, run.out, problem)
         if problem is not None:
             todo.append(i)
-    kept = len(shards) - len(todo)
+    kept = len(run.shards) - len(todo)
     if kept:
-        log.info(f"resuming: {kept} of {len(shards)} shards already done")
+        log.info(f"resuming: {kept} of {len(run.shards)} shards already done")
+    return todo
+
+
+def shard_order(d: DictConfig, todo: List[int]) -> Tuple[List[int], List[int]]:
+    """This worker's shards of `todo`, and the order it takes shards in: its own first, then any no worker holds."""
     mine = [i for i in todo if i % d.workers == d.worker]
-    order = mine + [i for i in todo if i % d.workers != d.worker]  # its own shards first, then any no worker holds
+    order = mine + [i for i in todo if i % d.workers != d.worker]
     if d.workers > 1:
         log.info(f"worker {d.worker} of {d.workers}: {len(mine)} of the {len(todo)} missing shards are this worker's; "
                  "then it takes the others' that no worker has claimed")
+    return mine, order
 
-    progress = tqdm(total=sum(len(shards[i]) for i in mine) * d.max_turns, unit="turn", desc="generating",
-                    dynamic_ncols=True)
-    gen_tokens, live_tokens = 0, 0
 
-    def on_batch(num_prompts: int, num_tokens: int) -> None:  # in-process engine: live speed within a turn
-        nonlocal live_tokens
-        live_tokens += num_tokens
-        progress.set_postfix_str(f"{live_tokens / (time.perf_counter() - start):.1f} tok/s")
-
-    def on_turn(num_conversations: int, num_tokens: int) -> None:
-        nonlocal gen_tokens
-        gen_tokens += num_tokens
-        progress.update(num_conversations)
-
-    engine = build_engine(cfg, model, tokenizer, on_batch)
-    regenerates = todo and any(p["source"] == "target" for p in selection.prompts)
+def generate_missing(run: DataRun, todo: List[int]) -> Generation:
+    """Generate the shards of `todo` that no other worker makes, behind one progress bar."""
+    d = run.cfg.data
+    mine, order = shard_order(d, todo)
+    generation = Generation(tqdm(total=sum(len(run.shards[i]) for i in mine) * d.max_turns, unit="turn",
+                                 desc="generating", dynamic_ncols=True))
+    engine = build_engine(run.cfg, run.model, run.tokenizer, generation.on_batch)
+    regenerates = todo and any(p["source"] == "target" for p in run.selection.prompts)
     engine_facts = engine.probe(d.temperature, d.top_p) if regenerates else {}
-    ended: Dict[str, int] = {}
-    start = time.perf_counter()  # after the probe: tokens/s is the regeneration's own
+    generation.start = time.perf_counter()  # after the probe: tokens/s is the regeneration's own
+    make_shards(run, order, mine, engine, generation)
+    generation.progress.close()
+    generation.seconds = time.perf_counter() - generation.start
+    generation.engine = {**engine_facts, **engine.counters}
+    return generation
 
-    def complete(i: int) -> bool:  # shard i is in place and intact
-        folder = out / "shards" / shard_name(i)
-        return folder.exists() and shard_problem(folder, [p["id"] for p in shards[i]], settings) is None
 
-    made = []
+def make_shards(run: DataRun, order: List[int], mine: List[int], engine, generation: Generation) -> None:
+    """Make each shard of `order` this worker can claim and that is not complete yet, into `generation.made`."""
     while True:  # pass again until a pass takes nothing: a shard a killed worker let go is taken over as well
         taken = False
         for i in order:
-            with claim(claim_path(out, shard_name(i))) as held:
-                if not held or complete(i):  # another worker is making it, or made it meanwhile
+            with claim(claim_path(run.out, shard_name(i))) as held:
+                if not held or shard_complete(run, i):  # another worker is making it, or made it meanwhile
                     continue
-                remove_stale_temps(out / "shards", shard_name(i))  # a killed worker's leftovers: the shard is ours now
+                remove_stale_temps(run.out / "shards", shard_name(i))  # a killed worker's leftovers: the shard is ours now
                 if i not in mine:
-                    progress.total += len(shards[i]) * d.max_turns
-                    progress.refresh()
-                records = build_conversations(shards[i], engine, tokenizer, eos, d, d.seed * 100_003 + i, max_prompt,
-                                              context - d.max_new_tokens, ended, on_turn)
-                if not records:
-                    raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({ended}); check "
-                                           "data.responses and the prompt file's assistant turns")
-                write_shard(records, [p["id"] for p in shards[i]], out / "shards" / shard_name(i), settings)
-                made.append(i)
+                    generation.progress.total += len(run.shards[i]) * run.cfg.data.max_turns
+                    generation.progress.refresh()
+                make_shard(run, i, engine, generation)
+                generation.made.append(i)
                 taken = True
         if not taken:
             break
-    progress.close()
-    gen_seconds = time.perf_counter() - start
 
-    def shard_of(i: int) -> datasets.Dataset:
-        return datasets.load_from_disk(str(out / "shards" / shard_name(i)))
 
-    def has_hidden(i: int) -> bool:  # an intact cache file for shard i
-        shard = shard_of(i)
-        return hidden_file_ok(hidden_path(out, i), layer_ids,
-                              sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"]))
+def make_shard(run: DataRun, i: int, engine, generation: Generation) -> None:
+    """Build shard i's conversations with `engine` and publish the shard."""
+    d = run.cfg.data
+    records = build_conversations(run.shards[i], engine, run.tokenizer, run.eos, d, d.seed * 100_003 + i,
+                                  run.max_prompt, run.context - d.max_new_tokens, generation.ended, generation.on_turn)
+    if not records:
+        raise SpecdrafterError(f"{shard_name(i)}: no conversation got an assistant turn ({generation.ended}); check "
+                               "data.responses and the prompt file's assistant turns")
+    write_shard(records, [p["id"] for p in run.shards[i]], run.out / "shards" / shard_name(i), run.settings)
 
-    def cache_hidden(i: int) -> None:  # the target's hidden states of shard i, unless an intact file has them
-        if not has_hidden(i):
-            log.info(f"caching hidden states of layers {layer_ids} for {shard_name(i)}")
-            remove_stale_temps(out / "hidden", hidden_path(out, i).name)
-            write_hidden(target_hidden_states(model, shard_of(i)["input_ids"], layer_ids, d.hidden_states.batch_size,
-                                              hidden_dtype), hidden_path(out, i), layer_ids)
 
-    if d.workers > 1:  # hidden states the same way: its own shards first, then any no worker holds
-        if layer_ids:
-            for i in sorted(range(len(shards)), key=lambda i: i % d.workers != d.worker):
-                with claim(claim_path(out, hidden_path(out, i).name)) as held:
-                    if held and complete(i):
-                        cache_hidden(i)
-        waiting = [i for i in range(len(shards)) if not complete(i) or (layer_ids and not has_hidden(i))]
-        if waiting:  # shards other workers still hold: the last worker to finish assembles stats.json
-            log.info(f"worker {d.worker} of {d.workers} done ({len(made)} shards generated); {len(waiting)} shards are "
-                     f"still with the other workers ({', '.join(shard_name(i) for i in waiting[:4])}"
-                     f"{', …' if len(waiting) > 4 else ''}): the last worker to finish writes stats.json")
-            return {"shards": len(shards), "waiting": len(waiting),
-                    "this_run": {"generated_tokens": gen_tokens, "seconds": round(gen_seconds, 2)}}
+def shard_complete(run: DataRun, i: int) -> bool:
+    """Shard i is in place and intact."""
+    folder = run.out / "shards" / shard_name(i)
+    return folder.exists() and shard_problem(folder, [p["id"] for p in run.shards[i]], run.settings) is None
 
-    dataset = load_generated(out, num_shards=len(shards))
-    if layer_ids:
-        for i in range(len(shards)):
-            cache_hidden(i)
 
-    sources = dataset["source"]
-    by_source = {src: {"conversations": sum(x == src for x in sources),
-                       "response_tokens": sum(n for n, x in zip(dataset["num_response_tokens"], sources) if x == src)}
-                 for src in sorted(set(sources))}
+def shard_of(run: DataRun, i: int) -> datasets.Dataset:
+    """Shard i as saved."""
+    return datasets.load_from_disk(str(run.out / "shards" / shard_name(i)))
+
+
+def has_hidden(run: DataRun, i: int) -> bool:
+    """An intact hidden-state cache file for shard i."""
+    shard = shard_of(run, i)
+    return hidden_file_ok(hidden_path(run.out, i), run.layer_ids,
+                          sum(shard["num_prompt_tokens"]) + sum(shard["num_response_tokens"]))
+
+
+def cache_hidden(run: DataRun, i: int) -> None:
+    """The target's hidden states of shard i, unless an intact file has them."""
+    if not has_hidden(run, i):
+        log.info(f"caching hidden states of layers {run.layer_ids} for {shard_name(i)}")
+        remove_stale_temps(run.out / "hidden", hidden_path(run.out, i).name)
+        d = run.cfg.data
+        write_hidden(target_hidden_states(run.model, shard_of(run, i)["input_ids"], run.layer_ids,
+                                          d.hidden_states.batch_size, run.hidden_dtype),
+                     hidden_path(run.out, i), run.layer_ids)
+
+
+def cache_claimed_hidden(run: DataRun) -> None:
+    """With parallel workers: the hidden states of every complete shard whose cache file this worker can claim."""
+    d = run.cfg.data
+    for i in sorted(range(len(run.shards)), key=lambda i: i % d.workers != d.worker):
+        with claim(claim_path(run.out, hidden_path(run.out, i).name)) as held:
+            if held and shard_complete(run, i):
+                cache_hidden(run, i)
+
+
+def waiting_shards(run: DataRun) -> List[int]:
+    """The shards not complete yet, or (caching hidden states) without an intact cache file."""
+    return [i for i in range(len(run.shards)) if not shard_complete(run, i) or (run.layer_ids and not has_hidden(run, i))]
+
+
+def report_waiting(run: DataRun, generation: Generation, waiting: List[int]) -> dict:
+    """A worker's summary when other workers still hold shards: logged, and returned in place of the stats."""
+    d = run.cfg.data
+    log.info(f"worker {d.worker} of {d.workers} done ({len(generation.made)} shards generated); {len(waiting)} shards are "
+             f"still with the other workers ({', '.join(shard_name(i) for i in waiting[:4])}"
+             f"{', …' if len(waiting) > 4 else ''}): the last worker to finish writes stats.json")
+    return {"shards": len(run.shards), "waiting": len(waiting),
+            "this_run": {"generated_tokens": generation.tokens, "seconds": round(generation.seconds, 2)}}
+
+
+def write_stats(run: DataRun, generation: Generation, dataset: datasets.Dataset) -> dict:
+    """stats.json: the whole dataset's counts and this run's generation; logged in one line and returned."""
+    g = generation
     stats = {
-        "prompts": selection.counts,
+        "prompts": run.selection.counts,
         "conversations": dataset.num_rows,
-        "shards": len(shards),
+        "shards": len(run.shards),
         "tokens": sum(dataset["num_prompt_tokens"]) + sum(dataset["num_response_tokens"]),
         "response_tokens": sum(dataset["num_response_tokens"]),
         "assistant_turns": sum(dataset["num_turns"]),
         "finished_responses": sum(dataset["finished"]),
-        "by_source": by_source,
-        "this_run": {"generated_conversations": sum(len(shards[i]) for i in made), "generated_tokens": gen_tokens,
-                     "seconds": round(gen_seconds, 2), "tokens_per_s": round(gen_tokens / max(gen_seconds, 1e-9), 2),
-                     "conversation_ends": ended, "engine": {**engine_facts, **engine.counters}},
-        "hidden_state_layers": layer_ids,
+        "by_source": counts_by_source(dataset),
+        "this_run": {"generated_conversations": sum(len(run.shards[i]) for i in g.made), "generated_tokens": g.tokens,
+                     "seconds": round(g.seconds, 2), "tokens_per_s": round(g.tokens / max(g.seconds, 1e-9), 2),
+                     "conversation_ends": g.ended, "engine": g.engine},
+        "hidden_state_layers": run.layer_ids,
     }
-    atomic_write_json(out / "stats.json", stats)
+    atomic_write_json(run.out / "stats.json", stats)
     log.info(f"data: {stats['conversations']} conversations, {stats['tokens']:,} tokens ({stats['response_tokens']:,} "
-             f"target tokens) in {len(shards)} shards → {out}")
+             f"target tokens) in {len(run.shards)} shards → {run.out}")
     return stats
+
+
+def counts_by_source(dataset: datasets.Dataset) -> Dict[str, dict]:
+    """Conversations and response tokens per response source ("target" / "dataset")."""
+    sources = dataset["source"]
+    return {src: {"conversations": sum(x == src for x in sources),
+                  "response_tokens": sum(n for n, x in zip(dataset["num_response_tokens"], sources) if x == src)}
+            for src in sorted(set(sources))}
 
 
 def load_generated(output_dir: str | Path, num_shards: Optional[int] = None) -> datasets.Dataset:
