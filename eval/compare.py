@@ -91,7 +91,7 @@ def label(found: dict, name: str) -> str:
     kind = found["kinds"].get(name)
     if kind is None:
         return name
-    title = KINDS[kind].card_title if kind in KINDS else kind
+    title = KINDS[kind].title if kind in KINDS else kind
     return title if name == kind else f"{title} ({name})"
 
 

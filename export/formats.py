@@ -23,7 +23,7 @@ it to the Hugging Face Hub.
                   speculators  the speculators library's DFlash / DSpark speculator (`vllm serve DIR`)
 
 One --format name serves every kind it lists: `--format vllm` writes an EAGLE-3 head, a DFlash or a DSpark drafter
-in the layout vLLM loads for that kind (the kind's `writer` picks the writer, WRITERS).
+in the layout vLLM loads for that kind (the kind's `export.family` picks the writer, WRITERS).
 
 Each export carries only the keys its engine reads (no specdrafter-only keys), so the model card says what happens
 when a folder is served by the other engine. ENGINES lists the engine versions known to load each format (for DFlash
@@ -69,6 +69,7 @@ from specdrafter.export.source import (
     target_of,
 )
 from specdrafter.kinds import KINDS, Kind
+from specdrafter.kinds.base import Family
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
@@ -129,7 +130,7 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
     target = target_of(src.recipe)
     tmp = temp_dir_beside(out)
     try:
-        WRITERS[src.kind.writer].write(src, tmp, target, fmt)
+        WRITERS[src.kind.export.family].write(src, tmp, target, fmt)
         if (src.drafter / "backbone").is_dir():  # Medusa-2: the heads read this fine-tuned backbone, not the target
             copy_hf_folder(src.drafter / "backbone", tmp / "backbone")
         recipe = None
@@ -317,8 +318,8 @@ def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], mo
     """README.md: YAML front matter the Hub indexes, then acceptance, serving, the aux-layer convention and the recipe."""
     kind, step = src.kind, src.state.get("step")
     front = ([f"base_model: {target.hub_id}"] if target.hub_id else []) + [
-        f"library_name: {LIBRARIES[fmt]}", "tags:", "- speculative-decoding", f"- {kind.card_tag}"]
-    lines = ["---", *front, "---", "", f"# {kind.card_title} for {target.name}", "",
+        f"library_name: {LIBRARIES[fmt]}", "tags:", "- speculative-decoding", f"- {kind.export.card_tag}"]
+    lines = ["---", *front, "---", "", f"# {kind.title} for {target.name}", "",
              f"Trained with specdrafter (drafter kind `{kind.name}`"
              + (f", training step {step}" if step is not None else "") + f") and exported as `{fmt}`."
              + ("" if target.hub_id else f" The target is a local model (`{target.name}`) without a known Hub id."), ""]
@@ -327,7 +328,7 @@ def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], mo
                    "`backbone/`. That backbone **must be served as the target model** (the engine's target, or the "
                    "base model a Medusa loader opens): the heads read its hidden states, and decoding verifies against "
                    "it. With the original target the heads' acceptance drops."), ""]
-    writer = WRITERS[kind.writer]
+    writer = WRITERS[kind.export.family]
     lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *writer.serving(fmt, src, target, model),
               ""]
     if writer.convention is not None:
@@ -520,7 +521,7 @@ def _first_line(e: Exception, token: str) -> str:
 # ------------------------------------------------------------------------------------------------ writers
 @dataclass(frozen=True)
 class Writer:
-    """One model family's writer (a kind's `writer` names it) and what the model card says about its exports."""
+    """One model family's writer (a kind's `export.family` names it) and what the model card says about its exports."""
     write: Callable[[Source, Path, Target, str], None]  # (src, folder, target, fmt): the files of the export
     formats: Tuple[str, ...]  # the --format names it writes
     serving: Callable[[str, Source, Target, str], List[str]]  # (fmt, src, target, model) → the card's Serving lines
@@ -528,10 +529,10 @@ class Writer:
     convention_title: str = "Aux-layer convention"
 
 
-WRITERS: Dict[str, Writer] = {  # a kind's `writer` → its family's writer (kinds/: formats, writer)
-    "eagle": Writer(write_eagle3, AUX_LAYER_FORMATS, serving, aux_convention),
-    "medusa": Writer(write_medusa, ("medusa-vllm", "medusa"), serving),
-    "hf": Writer(write_hf_draft, ("hf-draft",), serving),
-    "block": Writer(block_export.write_block, block_export.FORMATS, block_export.serving, block_export.convention,
+WRITERS: Dict[Family, Writer] = {  # a kind's `export.family` → its family's writer
+    Family.eagle: Writer(write_eagle3, AUX_LAYER_FORMATS, serving, aux_convention),
+    Family.medusa: Writer(write_medusa, ("medusa-vllm", "medusa"), serving),
+    Family.hf: Writer(write_hf_draft, ("hf-draft",), serving),
+    Family.block: Writer(block_export.write_block, block_export.FORMATS, block_export.serving, block_export.convention,
                     "Layer-id convention"),
 }

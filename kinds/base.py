@@ -6,13 +6,15 @@ A kind answers six questions:
     what it builds            drafter(cfg, target, data, tokenizer) → the training drafter (train/drafters.py)
     what it predicts          that drafter's predictions(module, batch, target) → [Prediction] (train/drafters.py)
     what decodes with it      proposer(cfg, target, path) → a Proposer / TreeProposer (inference/)
-    where it exports          formats: the export/formats.py formats that write it; writer: its family's writer
+    where it exports          export: its family (export/formats.py has one writer each) and the formats, or None
     what it costs to train    planner_module / planner_activations / planner_checks (train/memory.py terms)
     how it is benchmarked     bench_arms(cfg) → [ArmSpec] (eval/bench_decode.py builds and times them)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -38,18 +40,32 @@ class ArmSpec(NamedTuple):
     tree_size: Optional[int] = None  # nodes verified per cycle (trees)
 
 
+class Family(Enum):
+    """A model family of exports: export/formats.py:WRITERS holds one writer per family."""
+    eagle = "eagle"
+    medusa = "medusa"
+    hf = "hf"  # a plain Hugging Face causal LM
+    block = "block"
+
+
+@dataclass(frozen=True)
+class Export:
+    """Where a kind exports: its family's writer writes the `formats`, and the model card carries the Hub tag."""
+    family: Family
+    formats: Tuple[str, ...]  # export/formats.py --format names, as the kind lists them
+    card_tag: str  # the Hub tag of its model card
+
+
 class Kind:
     """Defaults shared by the kinds; each kind overrides what differs."""
     name: str  # the recipe's drafter.kind
     description: str  # "an EAGLE-3 head": how messages name what a folder holds
+    title: str = "Drafter"  # "EAGLE-3 draft head": model cards' and reports' heading
     launcher: Optional[str] = None  # the launch/ script that trains it; None: not trainable
     recipe: Optional[str] = None  # the SmolLM2 recipe (recipes/) that trains it: benchmarks and conformance start there
     needs_folder: bool = True  # decoding needs drafter.path (a self-draft is built from the target)
-    formats: Tuple[str, ...] = ()  # export/formats.py formats that write this kind
-    writer: str = ""  # export/formats.py:WRITERS key: the model family's writer of those formats
-    no_export: str = "that kind has no export"  # why, when `formats` is empty
-    card_title: str = "Drafter"  # the model card's heading
-    card_tag: str = ""  # the Hub tag of its model card
+    export: Optional[Export] = None  # None: no export (`no_export` says why)
+    no_export: str = "that kind has no export"
     typical: bool = False  # Medusa's typical acceptance applies (heads over a static tree)
     trees: Tuple[str, ...] = ("static", "dynamic")  # the trees it drafts (inference.tree, inference.dynamic_tree)
     memory_fixes: Dict[str, str] = {}  # planner: extra keys that shrink a memory term of this kind
@@ -58,6 +74,11 @@ class Kind:
     @property
     def trainable(self) -> bool:
         return self.launcher is not None
+
+    @property
+    def formats(self) -> Tuple[str, ...]:
+        """The export formats that write this kind (none without an export)."""
+        return self.export.formats if self.export else ()
 
     # --------------------------------------------------------------------------- recipes and folders
     def recognises(self, config: dict) -> bool:
@@ -95,6 +116,11 @@ class Kind:
         """The proposer the recipe asks for (a chain, inference.tree, or inference.dynamic_tree) around the drafter
         at `path` (checked by kinds.drafter_path), beside the target on its device and in its dtype."""
         raise NotImplementedError
+
+    def assistant_model(self, cfg: DictConfig, target: nn.Module, path: Optional[str]) -> nn.Module:
+        """The drafter as a causal LM of its own (HF generate's `assistant_model`: the benchmarks' hf_assisted arm),
+        for the kinds that are one."""
+        raise SpecdrafterError(f"{self.description} is not a causal LM of its own: HF assisted generation cannot use it")
 
     def serving_target(self, folder: Optional[Path], target: nn.Module) -> nn.Module:
         """The model decoding verifies with: the target, unless the drafter folder brings its own (Medusa-2)."""

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from specdrafter.core.recipe import RecipeError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
-from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
 from specdrafter.models.block import (
     DFLASH,
     DSPARK,
@@ -23,6 +23,9 @@ from specdrafter.models.block import (
 )
 from specdrafter.train import memory
 from specdrafter.train.block import BlockTrainingDrafter, drafter_config
+
+
+BLOCK_FORMATS = ("vllm", "sglang", "speculators")
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,6 @@ class BlockKind(Kind):
     """What DFlash and DSpark share; `variant` is the model's (models/block.py), and its name the kind's."""
     launcher = "train_block.py"
     trees = ()
-    formats = ("vllm", "sglang", "speculators")
-    writer = "block"
     variant: Variant  # whether the anchor slot drafts (label_shift), whether the DSpark heads exist, class names
     engines: BlockEngines
     memory_fixes = {"activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"}
@@ -165,8 +166,8 @@ class DFlash(BlockKind):
     name = DFLASH.name
     description = "a DFlash block drafter"
     recipe = "smollm2-135m-dflash.yaml"
-    card_title = "DFlash block drafter"
-    card_tag = "dflash"
+    title = "DFlash block drafter"
+    export = Export(Family.block, BLOCK_FORMATS, card_tag="dflash")
     # z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
     # vLLM 0.20-0.21 have the class but read dflash_config.target_layer_ids as layer inputs (one layer early)
     engines = BlockEngines("dflash", "DFLASH", vllm_since="0.22.0",
@@ -178,8 +179,8 @@ class DSpark(BlockKind):
     name = DSPARK.name
     description = "a DSpark block drafter"
     recipe = "smollm2-135m-dspark.yaml"
-    card_title = "DSpark block drafter"
-    card_tag = "dspark"
+    title = "DSpark block drafter"
+    export = Export(Family.block, BLOCK_FORMATS, card_tag="dspark")
     # vLLM 0.25-0.27 have the class but skip the confidence head's weights
     engines = BlockEngines("dspark", "DSPARK", vllm_since="0.28.0",
                            sglang_since="0.5.16", speculators_since="0.7.0")

@@ -20,41 +20,18 @@ from specdrafter.inference.proposers import (
     self_draft,
 )
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
 from specdrafter.train import memory
 from specdrafter.train.drafters import DraftModelDrafter
 from specdrafter.train.memory import Shapes
 
 
-class DraftModel(Kind):
-    name = "draft_model"
-    description = "a draft model"
-    launcher = "train_draft.py"
-    recipe = "smollm2-135m-draft.yaml"
-    formats = ("hf-draft",)
-    writer = "hf"
-    card_title = "Draft model"
-    card_tag = "draft-model"
-    plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
-
-    def recognises(self, config: dict) -> bool:
-        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
-        return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
-
-    def drafter(self, cfg, target, data=None, tokenizer=None):
-        return DraftModelDrafter(cfg, target, data, tokenizer)
-
-    def model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
-        """The draft *model* itself (also HF generate's `assistant_model`), in the target's dtype, beside it."""
-        try:
-            draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
-        except (OSError, ValueError) as e:
-            raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
-        check_vocabularies(target, draft)
-        return draft
+class CausalDraft(Kind):
+    """What a draft model and the self-draft share: a causal LM with the target's vocabulary (`assistant_model`)
+    drafting on its own."""
 
     def proposer(self, cfg, target, path):
-        draft, inf = self.model(cfg, target, path), cfg.inference
+        draft, inf = self.assistant_model(cfg, target, path), cfg.inference
         dyn = inf.dynamic_tree
         if inf.tree:
             return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
@@ -71,6 +48,32 @@ class DraftModel(Kind):
             arms.append(ArmSpec(f"{self.name}_tree", f"tree {size}", "tree", {"tree": [list(c) for c in inf.tree]},
                                 tree_size=size))
         return arms
+
+
+class DraftModel(CausalDraft):
+    name = "draft_model"
+    description = "a draft model"
+    title = "Draft model"
+    launcher = "train_draft.py"
+    recipe = "smollm2-135m-draft.yaml"
+    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model")
+    plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
+
+    def recognises(self, config: dict) -> bool:
+        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+        return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
+
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return DraftModelDrafter(cfg, target, data, tokenizer)
+
+    def assistant_model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
+        """The draft *model* itself (also HF generate's `assistant_model`), in the target's dtype, beside it."""
+        try:
+            draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+        except (OSError, ValueError) as e:
+            raise SpecdrafterError(f"could not load draft model {cfg.drafter.path!r}: {str(e).splitlines()[0]}") from None
+        check_vocabularies(target, draft)
+        return draft
 
     def planner_module(self, cfg, target, config_of):
         """A draft model named by drafter.path is built from its config (no weights); else the target's layers."""
@@ -110,23 +113,12 @@ class DraftModel(Kind):
         return {"ids": ids[0], "logits": module(ids).logits[0]}
 
 
-class SelfDraft(DraftModel):
+class SelfDraft(CausalDraft):
+    """The target's first layers, training-free: inference/proposers.py:self_draft checks num_layers where it builds one."""
     name = "self_draft"
     description = "a self-draft"
-    launcher = None
-    recipe = None
     needs_folder = False
-    formats = ()
     no_export = "a self-draft is the target's own first layers: there is nothing to export"
 
-    def recognises(self, config: dict) -> bool:
-        return False
-
-    def model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
+    def assistant_model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
         return self_draft(target, cfg.drafter.num_layers)
-
-    def planner_checks(self, cfg, T: Shapes, config_of):
-        return []  # nothing is trained; inference/proposers.py: self_draft checks num_layers where it builds one
-
-    def conformance_variants(self) -> Dict[str, List[str]]:
-        return {}

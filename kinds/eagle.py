@@ -3,13 +3,13 @@ layer's feature, regressed)."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 from omegaconf import DictConfig
 
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
-from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
 from specdrafter.models.eagle import (
     EAGLE1_ARCH,
     aux_order_problem,
@@ -26,27 +26,11 @@ DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # the bench
 AUTO_DYNAMIC_TREE = {"total_tokens": 32, "depth": 5, "top_k": 6}  # candidates the bench's tree-size tuner sizes from
 
 
-class Eagle3(Kind):
-    name = "eagle3"
-    description = "an EAGLE-3 head"
+class EagleHead(Kind):
+    """What EAGLE-1 and EAGLE-3 share: one head beside the target, decoding as a chain or a dynamic tree."""
     launcher = "train_eagle.py"
-    recipe = "smollm2-135m-eagle3.yaml"
-    formats = ("vllm", "sglang", "speculators")
-    writer = "eagle"
-    card_title = "EAGLE-3 draft head"
-    card_tag = "eagle3"
     trees = ("dynamic",)
-    memory_fixes = {"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}
-    load = staticmethod(load_eagle3)
-
-    def recognises(self, config: dict) -> bool:
-        return eagle3_layout(config) is not None  # ours, and what SpecForge, the EAGLE repo and speculators write
-
-    def drafter(self, cfg, target, data=None, tokenizer=None):
-        return Eagle3Drafter(cfg, target, data, tokenizer)
-
-    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
-        return sorted(set(cfg.drafter.eagle.aux_layer_ids or default_aux_layers(num_layers)) | {num_layers})
+    load: Callable  # (folder, dtype) → the head
 
     def proposer(self, cfg, target, path):
         head = self.load(path, target.dtype).to(target.device)
@@ -64,6 +48,25 @@ class Eagle3(Kind):
         return [ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k),
                 _dynamic_arm(f"{self.name}_tree", whole), _dynamic_arm(f"{self.name}_tree_auto", auto),
                 ArmSpec(f"{self.name}_asd", f"k={k} B={inf.asd.budget:g}", "asd", k=k)]
+
+
+class Eagle3(EagleHead):
+    name = "eagle3"
+    description = "an EAGLE-3 head"
+    title = "EAGLE-3 draft head"
+    recipe = "smollm2-135m-eagle3.yaml"
+    export = Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3")
+    memory_fixes = {"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}
+    load = staticmethod(load_eagle3)
+
+    def recognises(self, config: dict) -> bool:
+        return eagle3_layout(config) is not None  # ours, and what SpecForge, the EAGLE repo and speculators write
+
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return Eagle3Drafter(cfg, target, data, tokenizer)
+
+    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
+        return sorted(set(cfg.drafter.eagle.aux_layer_ids or default_aux_layers(num_layers)) | {num_layers})
 
     def planner_activations(self, act, m) -> None:
         memory.eagle3(act, m)
@@ -118,16 +121,12 @@ class Eagle3(Kind):
                 "target_embed": target.get_input_embeddings().weight}
 
 
-class Eagle1(Eagle3):
+class Eagle1(EagleHead):
     name = "eagle1"
     description = "an EAGLE-1 head"
-    recipe = None
-    formats = ()
+    title = "EAGLE-1 draft head"
     no_export = ("vLLM and SGLang serve EAGLE-1 only in the EAGLE repo's own layout, which has no writer here; train an "
                  "EAGLE-3 head instead")
-    card_title = "EAGLE-1 draft head"
-    card_tag = "eagle1"
-    memory_fixes = {}
     load = staticmethod(load_eagle1)
 
     def recognises(self, config: dict) -> bool:
@@ -136,20 +135,8 @@ class Eagle1(Eagle3):
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return Eagle1Drafter(cfg, target, data, tokenizer)
 
-    def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
-        return [num_layers]
-
     def planner_activations(self, act, m) -> None:
         memory.eagle1(act, m)
-
-    def planner_checks(self, cfg, T, config_of):
-        return []
-
-    def activation_label(self, cfg: DictConfig) -> str:
-        return ""
-
-    def conformance_variants(self) -> Dict[str, List[str]]:
-        return {}
 
 
 def _dynamic_arm(name: str, tree: dict) -> ArmSpec:

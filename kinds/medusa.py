@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from specdrafter.core.recipe import RecipeError
 from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, serving_backbone
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.kinds.base import ArmSpec, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
 from specdrafter.models.medusa import check_heads_fit, load_medusa, medusa_layout
 from specdrafter.train import memory
 from specdrafter.train.drafters import MedusaDrafter
@@ -25,10 +25,8 @@ class Medusa(Kind):
     description = "Medusa heads"
     launcher = "train_medusa.py"
     recipe = "smollm2-135m-medusa.yaml"
-    formats = ("medusa-vllm", "medusa")
-    writer = "medusa"
-    card_title = "Medusa heads"
-    card_tag = "medusa"
+    title = "Medusa heads"
+    export = Export(Family.medusa, ("medusa-vllm", "medusa"), card_tag="medusa")
     typical = True
     trees = ("static",)
     plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256")

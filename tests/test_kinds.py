@@ -2,6 +2,9 @@
 outside kinds/ decides anything by a kind's name."""
 
 import ast
+import importlib
+import types
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from specdrafter.export.formats import FORMATS, WRITERS
 from specdrafter.kinds import KINDS, kind_of_config
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "data", "eval", "export", "inference", "models", "train", "launch")
+PACKAGES = ("core", "data", "eval", "export", "inference", "jobs", "models", "train", "launch", "benchmarks")
 NAMES = set(KINDS)
 
 
@@ -33,7 +36,7 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     assert set(FORMATS) == {f for w in WRITERS.values() for f in w.formats}
     for fmt, kinds in FORMATS.items():
         assert list(kinds) == [k for k in KINDS.values() if fmt in k.formats] and kinds
-        assert all(k.writer in WRITERS and fmt in WRITERS[k.writer].formats for k in kinds), fmt
+        assert all(fmt in WRITERS[k.export.family].formats for k in kinds), fmt
     assert [k.name for k in FORMATS["vllm"]] == ["eagle3", "dflash", "dspark"]
 
 
@@ -95,4 +98,45 @@ def test_no_module_outside_the_kinds_table_branches_on_a_kind_name():
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
             offenders += [f"{path.relative_to(REPO)}:{line}: {what}" for line, what in kind_branches(path.read_text())]
+    assert not offenders, "decide these through kinds/ (the kind's attributes and methods):\n" + "\n".join(offenders)
+
+
+# Tables the scan allows, each keyed by what a saved file says rather than by a recipe's kind.
+ALLOWED_TABLES = {"specdrafter.models.block.VARIANTS": "config.json's `variant`, read where a folder is loaded"}
+
+
+def tables_of_kind_names(module: types.ModuleType) -> list:
+    """The module-level mappings of `module`, however built (a literal, a comprehension, dict(zip(...)), an update
+    after the fact), whose keys or values hold two or more kinds' names."""
+    found = []
+    for name, value in vars(module).items():
+        if isinstance(value, Mapping) and value is not KINDS:  # the table itself, imported
+            keys = {k for k in value if isinstance(k, str)} & NAMES
+            values = {v for v in value.values() if isinstance(v, str)} & NAMES
+            if len(keys) >= 2 or len(values) >= 2:
+                found.append(f"{module.__name__}.{name}: {'keyed' if len(keys) >= 2 else 'valued'} by "
+                             f"{sorted(keys if len(keys) >= 2 else values)}")
+    return found
+
+
+def test_the_table_scan_finds_tables_built_any_way():
+    planted = types.ModuleType("planted")
+    exec("ENGINE = dict(zip(['eagle3', 'medusa'], [1, 2]))\n"
+         "ARCH = {a: k for a, k in [('DFlashDraftModel', 'dflash'), ('Qwen3DSparkModel', 'dspark')]}\n"
+         "FORMATS = {'vllm': 1, 'medusa': 2}\n", vars(planted))  # a format may share a kind's name
+    assert tables_of_kind_names(planted) == ["planted.ENGINE: keyed by ['eagle3', 'medusa']",
+                                             "planted.ARCH: valued by ['dflash', 'dspark']"]
+
+
+def test_no_module_outside_the_kinds_table_holds_a_table_of_kind_names():
+    offenders, scanned = [], 0
+    for package in ("core", "data", "eval", "export", "inference", "jobs", "models", "train"):  # kinds/: the table
+        for path in sorted((REPO / package).rglob("*.py")):
+            name = "specdrafter." + ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            if name == "specdrafter.core.recipe":  # the schema's DrafterKind
+                continue
+            offenders += [t for t in tables_of_kind_names(importlib.import_module(name))
+                          if t.split(":")[0] not in ALLOWED_TABLES]
+            scanned += 1
+    assert scanned > 40
     assert not offenders, "decide these through kinds/ (the kind's attributes and methods):\n" + "\n".join(offenders)
