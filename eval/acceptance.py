@@ -1,7 +1,7 @@
 """Acceptance statistics of decoding runs (per-token α, the per-position curve), the speedup formula
 (docs/algorithms.md §Speedup model) and `cycle_metrics`, the one place where a run's cycles become the numbers that
-the evaluation job (eval/job.py) and the decode benchmark (eval/bench_decode.py) report; also how a speedup's spread
-is flagged. The cost measurements the formula needs (v(n)) live in inference/autotune.py."""
+the evaluation job (eval/job.py) and the decode benchmark (benchmarks/bench_decode.py) report; also how a speedup's
+spread is flagged. The cost measurements the formula needs (v(n)) live in inference/autotune.py."""
 
 from __future__ import annotations
 

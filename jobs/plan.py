@@ -21,7 +21,7 @@ recipes/targets/<Name>.json. Memory per rank is counted term by term the way job
                         vocabulary TEACHER_CHUNK rows at a time, when that moment is the peak
 
 Each moment of a micro-step (teacher, forward, loss, backward, bucket, step) is summed; the largest is the plan.
-eval/bench_plan.py measures the same recipe against this plan (peak live tensor bytes and RSS on CPU,
+benchmarks/bench_plan.py measures the same recipe against this plan (peak live tensor bytes and RSS on CPU,
 torch.cuda.max_memory_allocated on a GPU).
 
 This module assembles the plan (Plan, make_plan, the data facts) and runs it (preflight, the command line); the

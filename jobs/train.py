@@ -523,5 +523,5 @@ def train_command(any_kind: bool = False) -> None:
     cli(main, check=check)
 
 
-if __name__ == "__main__":  # python -m specdrafter.jobs.train (eval/scaling.py, eval/bench_train.py)
+if __name__ == "__main__":  # python -m specdrafter.jobs.train (eval/scaling.py, benchmarks/bench_train.py)
     train_command(any_kind=True)

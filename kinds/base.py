@@ -8,7 +8,7 @@ A kind answers six questions:
     what decodes with it      proposer(cfg, target, path) → a Proposer / TreeProposer (inference/)
     where it exports          export: its family (export/formats.py has one writer each) and the formats, or None
     what it costs to train    planner_module / planner_activations / planner_checks (train/memory.py terms)
-    how it is benchmarked     bench_arms(cfg) → [ArmSpec] (eval/bench_decode.py builds and times them)
+    how it is benchmarked     bench_arms(cfg) → [ArmSpec] (benchmarks/bench_decode.py builds and times them)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # annotations only: importing the protocol loads no torch, tr
 
 
 class ArmSpec(NamedTuple):
-    """One benchmark arm of a kind: eval/bench_decode.py builds the recipe variant and the decoder."""
+    """One benchmark arm of a kind: benchmarks/bench_decode.py builds the recipe variant and the decoder."""
     name: str  # e.g. "eagle3_chain"
     label: str  # what the report prints beside it (k, tree size)
     decoder: str  # "chain" | "tree" | "typical" | "asd" | "hf_assisted"
@@ -69,7 +69,7 @@ class Kind:
     typical: bool = False  # Medusa's typical acceptance applies (heads over a static tree)
     trees: Tuple[str, ...] = ("static", "dynamic")  # the trees it drafts (inference.tree, inference.dynamic_tree)
     memory_fixes: Dict[str, str] = {}  # planner: extra keys that shrink a memory term of this kind
-    plan_bench_overrides: Tuple[str, ...] = ()  # eval/bench_plan.py: its recipe shrunk to train in seconds on a CPU
+    plan_bench_overrides: Tuple[str, ...] = ()  # benchmarks/bench_plan.py: its recipe shrunk to train in seconds on a CPU
 
     @property
     def trainable(self) -> bool:

@@ -24,7 +24,6 @@ from specdrafter.models.block import (
 from specdrafter.train import memory
 from specdrafter.train.block import BlockTrainingDrafter, drafter_config
 
-
 BLOCK_FORMATS = ("vllm", "sglang", "speculators")
 
 

@@ -75,7 +75,7 @@ bench() {  # bench NAME DTYPE OVERRIDE... -- ARMS...: one side-by-side run of th
   local overrides=(); while [[ $1 != -- ]]; do overrides+=("$1"); shift; done; shift
   [[ -f $runs/$name/bench_decode.json ]] && { say "$name: measured already"; return; }
   say "decode benchmark $name, $dtype target → $runs/$name/bench_decode.md"
-  python -m specdrafter.eval.bench_decode recipes/smollm2-135m-dspark.yaml target.dtype=$dtype "${overrides[@]}" \
+  python benchmarks/bench_decode.py recipes/smollm2-135m-dspark.yaml target.dtype=$dtype "${overrides[@]}" \
     --eagle3 $runs/eagle3-regen/drafter --dflash $runs/dflash/drafter --dspark $runs/dspark/drafter \
     --sets mtbench gsm8k humaneval --prompts 4 --max-new-tokens 128 --repeats 3 --temperatures 0 1 \
     --arms "$@" --out "$runs/$name" > "$runs/$name.log" 2>&1

@@ -2,10 +2,12 @@
 
     python launch/conformance.py [--out runs/conformance] [--reinstall]
 
-The venv, the tiny drafters, their exports and the engines' checks are export/conformance.py's.
+The same as `python benchmarks/conformance.py ...`: the venv, the tiny drafters, their exports and the engines'
+checks are benchmarks/conformance.py's (outside the installed package).
 """
 
-from specdrafter.export.conformance import main
+import runpy
+from pathlib import Path
 
 if __name__ == "__main__":
-    main()
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "conformance.py"), run_name="__main__")

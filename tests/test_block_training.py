@@ -160,8 +160,7 @@ def test_block_recipe_settings_that_cannot_work_are_one_line(recipe_name, overri
 def test_the_confidence_target_is_the_acceptance_over_the_whole_vocabulary():
     """With a pruned vocabulary the teacher's mass outside it counts as never accepted: α equals 1 − TV computed over
     the full vocabulary with the draft's q zero outside its tokens."""
-    from specdrafter.train.objectives import acceptance
-    from specdrafter.train.objectives import per_position
+    from specdrafter.train.objectives import acceptance, per_position
     torch.manual_seed(0)
     z, ids = torch.randn(5, V) * 3, torch.tensor([1, 4, 9, 20, 33, 50])
     draft = torch.randn(5, len(ids)) * 2

@@ -240,7 +240,7 @@ def test_auto_sized_dynamic_tree_cells(tmp_path, tiny_target, run_dir):
 
 def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
     """A smoke run of the side-by-side benchmark (numbers on tiny models mean nothing; the columns must exist)."""
-    from specdrafter.eval import bench_decode
+    import bench_decode
     bench_decode.main(["recipes/smollm2-135m-generate.yaml", f"target.model={tiny_target}", "inference.k=2",
                        "inference.tree=[[0],[1],[0,0]]", "--draft-model", str(run_dir / "checkpoints/step-000004/drafter"),
                        "--sets", "mtbench", "gsm8k", "--prompts", "1", "--max-new-tokens", "6", "--repeats", "2",
@@ -265,7 +265,8 @@ def test_decode_benchmark_writes_every_arm(tmp_path, tiny_target, run_dir):
 # ---------------------------------------------------------------------------------------------- pieces
 def test_report_and_benchmark_flag_a_speedup_within_its_spread(tmp_path):
     """Every speedup is printed with its spread; one whose |speedup − 1| is smaller is marked, with a legend."""
-    from specdrafter.eval.bench_decode import markdown
+    from bench_decode import markdown
+
     from specdrafter.eval.report import write_report
 
     def cell(name, speedup, spread):
@@ -375,7 +376,7 @@ def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
 def dspark_runs(tmp_path_factory, tiny_target) -> Path:
     """runs/dspark/ (block_run) and runs/bench-dspark/bench_decode.json: the DSpark drafter benchmarked at a fixed
     length, confidence-sized and under ASD."""
-    from specdrafter.eval import bench_decode
+    import bench_decode
     runs = tmp_path_factory.mktemp("runs")
     folder = block_run(runs, tiny_target, "dspark", markov_rank=8)
     bench_decode.main(["recipes/smollm2-135m-dspark.yaml", f"target.model={tiny_target}", "inference.k=3",

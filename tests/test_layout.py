@@ -1,7 +1,6 @@
 """The package's import graph, read from the source: no cycle, the folders in one order (what a kind is made of below
-kinds/, the jobs above it), and no specdrafter import hidden inside a function except where the code runs without
-the package (the conformance run's engine environments) or in a benchmark's worker (item 8 of issue 36 moves the
-benchmarks out of the package)."""
+kinds/, the jobs above it), no specdrafter import hidden inside a function, and nothing of benchmarks/ (the benchmark
+and conformance scripts, outside the installed package: they import it, never the other way round)."""
 
 import ast
 from pathlib import Path
@@ -9,7 +8,6 @@ from pathlib import Path
 from conftest import REPO
 
 FOLDERS = ("core", "models", "data", "train", "inference", "kinds", "jobs", "eval", "export")  # bottom to top
-INSIDE_FUNCTIONS_ALLOWED = ("export/conformance.py", "eval/bench_plan.py", "eval/bench_teacher_memory.py")
 
 
 def modules():
@@ -103,6 +101,19 @@ def test_every_import_points_down_the_folders():
 
 def test_no_package_import_hides_inside_a_function():
     names = modules()
-    hidden = [f"{path.relative_to(REPO)}: {t}" for path in names.values() for t, inside in imports(path, names)
-              if inside and str(path.relative_to(REPO)) not in INSIDE_FUNCTIONS_ALLOWED]
+    hidden = [f"{path.relative_to(REPO)}: {t}" for path in names.values() for t, inside in imports(path, names) if inside]
     assert hidden == []
+
+
+def test_the_package_imports_nothing_of_the_benchmarks():
+    """benchmarks/ is not installed: a package module importing one of its scripts (`import bench_plan`,
+    `from benchmarks.conformance import ...`) would work in a checkout and fail in the wheel."""
+    scripts = {"benchmarks"} | {path.stem for path in (REPO / "benchmarks").glob("*.py")}
+    found = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [f"{path.relative_to(REPO)}: {a.name}" for a in node.names if a.name.split(".")[0] in scripts]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] in scripts:
+                found.append(f"{path.relative_to(REPO)}: {node.module}")
+    assert scripts > {"benchmarks"} and found == []

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
+from bench_load import filled_to
 from conftest import REPO, tiny_llama_config
 from transformers import LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.acceptance import cycle_metrics
-from specdrafter.eval.bench_load import filled_to
 from specdrafter.inference.decode import acceptance_rate
 from specdrafter.jobs.decode import decode_file, file_summary, load_decoder
 from specdrafter.jobs.recipe import load_recipe

@@ -5,11 +5,11 @@ fp32, bf16 and bf16 autocast) are what autograd actually saves when the real cod
 
 import pytest
 import torch
+from bench_plan import LiveTensorBytes
 from conftest import REPO, tiny_llama_config
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from specdrafter.eval.bench_plan import LiveTensorBytes
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import kind_of
 from specdrafter.train.eagle import training_time_test

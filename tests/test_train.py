@@ -319,7 +319,7 @@ def test_saved_drafter_reloads_through_the_inference_module(tmp_path, kind, extr
     with torch.no_grad():
         if kind == "draft_model":
             # a plain causal LM: LoRA merged into the weights
-            reloaded = kind_of(served).model(served, target, drafter_path(served))
+            reloaded = kind_of(served).assistant_model(served, target, drafter_path(served))
             torch.testing.assert_close(reloaded(ids).logits, drafter.module(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         else:
             proposer = build_proposer(served, target)
@@ -387,8 +387,8 @@ def test_deepspeed_two_ranks_train_and_the_loss_falls(kind, deepspeed_run):
 
 
 def test_ranks_benchmark_reports_the_launchers_training_speed(tmp_path, peaky_target, data_dir, monkeypatch):
-    """`python -m specdrafter.eval.bench_train --ranks 1` runs the real DeepSpeed launcher and reads its tokens/s back."""
-    from specdrafter.eval.bench_train import ranks_benchmark
+    """`python benchmarks/bench_train.py RECIPE --ranks 1` runs the real DeepSpeed launcher and reads its tokens/s back."""
+    from bench_train import ranks_benchmark
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     report = ranks_benchmark(str(REPO / "recipes" / "smollm2-135m-eagle3.yaml"),
@@ -413,7 +413,7 @@ def test_trained_drafter_reloads_with_the_logged_acceptance_and_decodes_like_the
     cfg = recipe(kind, out, peaky_target, data_dir, *extra)
     served = recipe(kind, out, peaky_target, data_dir, *extra, f"drafter.path={final_drafter(out)}")
     if kind == "draft_model":
-        module = kind_of(served).model(served, target, drafter_path(served))
+        module = kind_of(served).assistant_model(served, target, drafter_path(served))
     else:
         proposer = build_proposer(served, target)
         module = proposer.heads if kind == "medusa" else proposer.head
@@ -934,9 +934,9 @@ def test_two_ranks_record_every_ranks_files_and_resume_past_a_damaged_shard(tmp_
 
 
 def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, peaky_target, data_dir, capsys):
-    """eval/bench_learning.py: held-out α̂ per draft position every --every steps; a second probe reads the cached
+    """benchmarks/bench_learning.py: held-out α̂ per draft position every --every steps; a second probe reads the cached
     rows (the target does not run again) and, seeded alike, draws the same curve."""
-    from specdrafter.eval.bench_learning import main as probe
+    from bench_learning import main as probe
     args = [str(REPO / "recipes" / "smollm2-135m-dspark.yaml"), f"output_dir={tmp_path}", f"target.model={peaky_target}",
             f"train.data_dir={data_dir}", *TINY, *BLOCK_TINY, "--batches", "2", "--steps", "4", "--every", "2",
             "--out", str(tmp_path / "probe")]

@@ -1,7 +1,8 @@
 """The planner's memory model: bytes per rank of a training run, term by term, as jobs/train.py and DeepSpeed
 allocate them (jobs/plan.py explains the terms and assembles the plan). The constants below were fitted to what
 the loop allocates; tests/test_memory.py pins OBJECTIVE_BYTES and EAGLE-3's saved bytes per token and TTT step (on
-the CPU) against the tensors autograd saves on tiny configs, eval/bench_plan.py the whole plan against measured peaks."""
+the CPU) against the tensors autograd saves on tiny configs, benchmarks/bench_plan.py the whole plan against measured
+peaks."""
 
 from __future__ import annotations
 

@@ -4,14 +4,14 @@ of the target's own forward pass over the same batch — interleaved, medians of
 `offline_step_baseline` arm is the step as it was before the draft-vocabulary teacher (full-vocabulary fp32
 teacher rows, no autocast, shuffled batches), on the same conversations: `offline_speedup_over_baseline`.
 
-    python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
+    python benchmarks/bench_train.py recipes/smollm2-135m-eagle3.yaml [key=value ...] [--repeats 5] [--batches 3]
 
 With `--ranks 1 2` it instead runs the real launcher, `deepspeed --num_accelerators N --module
 specdrafter.jobs.train` (what launch/train_<kind>.py runs; DS_ACCELERATOR=cpu here; the machine's cores split
 evenly between the ranks), for `--steps` optimizer steps at each N, and reports the training tokens/s of the last
 step's record (evaluation and checkpointing come after it), scaling over 1 rank, and the wall time of each launch:
 
-    python -m specdrafter.eval.bench_train recipes/smollm2-135m-eagle3.yaml --ranks 1 2 --steps 12 [--out runs/bench-train]
+    python benchmarks/bench_train.py recipes/smollm2-135m-eagle3.yaml --ranks 1 2 --steps 12 [--out runs/bench-train]
 """
 
 from __future__ import annotations

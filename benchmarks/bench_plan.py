@@ -1,6 +1,7 @@
 """Benchmark: the planner (jobs/plan.py) against measured peak memory per rank, for the SmolLM2 recipes.
 
-    python -m specdrafter.eval.bench_plan [--runs eagle3:0:1 eagle3:2:2 ...] [--steps 3] [--out runs/bench/bench_plan.json]
+    python benchmarks/bench_plan.py [key=value ...] [--runs eagle3:0:1 eagle3:2:2 ...] [--steps 3]
+        [--out runs/bench/bench_plan.json]
 
 Each run is RECIPE:ZERO_STAGE:RANKS. Its ranks are fresh processes joined like the `deepspeed` launcher joins them
 (gloo on CPU, NCCL on CUDA); each builds the target, the drafter and the DeepSpeed engine as jobs/train.py does and
@@ -14,8 +15,9 @@ and variable lifetimes. Measured per rank, over the steps:
               told to return freed blocks, MALLOC_MMAP_THRESHOLD_), on CPU only, against the plan of resident
               pages ("plan RSS": ZeRO 1-2's 5e8-element bucket counts only the gradients written into it)
 
-The Medusa and draft-model runs use smaller micro-batches (--overrides) than their recipes: the plan scales with
-rows × vocabulary, and the recipes' own batches would need ~10 GB per rank at SmolLM2's 49k vocabulary.
+key=value pairs override every run's recipe. The Medusa and draft-model runs use smaller micro-batches than their
+recipes (kinds/: plan_bench_overrides): the plan scales with rows × vocabulary, and the recipes' own batches would
+need ~10 GB per rank at SmolLM2's 49k vocabulary.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def launch(name: str, zero: int, ranks: int, steps: int, extra) -> list:
                "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
         if not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
-        cmd = [sys.executable, "-m", "specdrafter.eval.bench_plan", "--worker", RECIPES[name], "--steps", str(steps), *overrides]
+        cmd = [sys.executable, str(Path(__file__).resolve()), *overrides, "--worker", RECIPES[name], "--steps", str(steps)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -182,14 +184,14 @@ def planned(name: str, zero: int, ranks: int, extra, resident: bool = False) -> 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides for every run")
     parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="RECIPE:ZERO:RANKS, RECIPE in " + ", ".join(RECIPES))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--overrides", nargs="*", default=[], help="key=value for every run")
     parser.add_argument("--out", default="runs/bench/bench_plan.json")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank of a run: its recipe; overrides: the run's all
+    args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, rest, args.steps)))
+        print(json.dumps(worker(args.worker, args.overrides, args.steps)))
         return
     rows = []
     header = (f"{'recipe':<8}{'ZeRO':>5}{'ranks':>6}{'plan GiB':>10}{'tensors GiB':>13}{'diff':>8}"

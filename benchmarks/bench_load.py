@@ -2,14 +2,16 @@
 including prompts at the target's context limit. Memory should stay flat across prompts (no growth from KV caches,
 tuners' statistics or results kept per prompt).
 
-    python -m specdrafter.eval.bench_load [--target smollm2|tiny] [--prompts 500] [--max-new-tokens 8] [--out runs/bench]
+    python benchmarks/bench_load.py recipes/smollm2-135m-generate.yaml [key=value ...] [--tiny] [--prompts 500]
+        [--max-new-tokens 8] [--out runs/bench]
 
 The prompts are ShareGPT's first user turns (offline asset) plus a few filled to the context limit (the last one
 that fits with max_new_tokens and a draft block, and one token past it, which must be skipped with its reason).
 The drafter is the training-free self-draft, so no checkpoint is needed. Resident memory (VmRSS) is read after every
 prompt of the decode CLI and sampled every 0.2 s during the evaluation job; the report gives RSS after the first 10 %
-of the prompts, at the end, and the growth between them per 100 prompts. `--target tiny` swaps in a 2-layer random
-Llama with SmolLM2's tokenizer and a 512-token context: the same code paths in seconds.
+of the prompts, at the end, and the growth between them per 100 prompts. The target is the recipe's (its context
+limit from its config.json), in float32 unless an override says otherwise; `--tiny` swaps in a 2-layer random Llama
+with SmolLM2's tokenizer and a 512-token context: the same code paths in seconds.
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
-from specdrafter.data.assets import ensure_smollm2, load_prompt_set
+from specdrafter.data.assets import ensure_smollm2, load_prompt_set, resolve_target
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.job import run_eval
 from specdrafter.jobs.decode import decode_file
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.recipes import RECIPES_DIR
 
-RECIPE = RECIPES_DIR / "smollm2-135m-generate.yaml"
 K = 4
 
 
@@ -82,31 +82,37 @@ def growth(samples: list, count: int) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer random Llama (512-token context) as the target")
     parser.add_argument("--prompts", type=int, default=500)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args(argv)
-    out = Path(args.out) / f"load-{args.target}"
+    name = "tiny" if args.tiny else Path(load_recipe(args.recipe, args.overrides).target.model).name
+    out = Path(args.out) / f"load-{name}"
     out.mkdir(parents=True, exist_ok=True)
-    model = str(tiny_target(out / "tiny-target")) if args.target == "tiny" else "smollm2-135m-instruct"
-    tokenizer = AutoTokenizer.from_pretrained(model if args.target == "tiny" else ensure_smollm2())
-    context = 512 if args.target == "tiny" else 8192
+    defaults = ["target.dtype=float32", "drafter.num_layers=1" if args.tiny else "drafter.num_layers=6"]
+    forced = [f"inference.max_new_tokens={args.max_new_tokens}", f"inference.k={K}"]
+    if args.tiny:
+        forced.append(f"target.model={tiny_target(out / 'tiny-target')}")
+    common = [*defaults, *args.overrides, *forced]  # the command line's overrides between the bench's defaults and its own
+    model = resolve_target(load_recipe(args.recipe, common).target.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    context = AutoConfig.from_pretrained(model).max_position_embeddings
     facts = write_prompts(out / "prompts.jsonl", tokenizer, context, args.prompts, args.max_new_tokens)
-    common = [f"target.model={model}", "target.dtype=float32", "drafter.num_layers=1" if args.target == "tiny" else
-              "drafter.num_layers=6", f"inference.max_new_tokens={args.max_new_tokens}", f"inference.k={K}"]
-    report = {"target": args.target, **facts, "max_new_tokens": args.max_new_tokens}
+    report = {"target": name, **facts, "max_new_tokens": args.max_new_tokens}
 
     # the decode CLI over the prompt file (a fresh run: decode.jsonl removed first)
     (out / "decode" / "decode.jsonl").unlink(missing_ok=True)
-    cfg = load_recipe(RECIPE, [*common, f"inference.prompts={out / 'prompts.jsonl'}", f"output_dir={out / 'decode'}"])
+    cfg = load_recipe(args.recipe, [*common, f"inference.prompts={out / 'prompts.jsonl'}", f"output_dir={out / 'decode'}"])
     samples, start = [], time.perf_counter()
     totals = decode_file(cfg, on_prompt=lambda i: samples.append(rss_mib()))
     report["decode"] = {**totals, "wall_s": round(time.perf_counter() - start, 1), **growth(samples, len(samples))}
 
     # the evaluation job: the prompt past the limit is refused before any pass, in one line
     def eval_recipe(prompts: Path):
-        return load_recipe(RECIPE, [*common, f"output_dir={out / 'eval-run'}", f"eval.sets=[{prompts}]",
+        return load_recipe(args.recipe, [*common, f"output_dir={out / 'eval-run'}", f"eval.sets=[{prompts}]",
                                     f"eval.num_prompts={args.prompts}", "eval.temperatures=[0]", "eval.verifiers=[chain]",
                                     "eval.k_sweep=[]", "eval.asd_sweep=[]", f"eval.max_new_tokens={args.max_new_tokens}",
                                     f"eval.output_dir={out / 'eval'}"])

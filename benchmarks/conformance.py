@@ -1,7 +1,7 @@
 """Conformance run (issue 15): do the engines' own loaders read our exports unchanged? Not part of the test suite.
 
-    python launch/conformance.py [--out runs/conformance] [--reinstall]
-    python -m specdrafter.export.conformance [--out runs/conformance] [--reinstall]   (the same)
+    python benchmarks/conformance.py [--out runs/conformance] [--reinstall]
+    python launch/conformance.py [--out runs/conformance] [--reinstall]   (the same)
 
 1. Creates (or reuses) a virtual environment at `cache_dir()/conformance-venv` (system site packages visible, so it
    reuses this machine's CPU torch / transformers) and pip-installs the engines' wheels without their GPU
@@ -100,6 +100,7 @@ def build_and_export(work: Path) -> dict:
     from specdrafter.export.formats import export
     from specdrafter.jobs.recipe import load_recipe
     from specdrafter.kinds import KINDS, build_drafter
+    from specdrafter.kinds.block import BlockKind
     from specdrafter.recipes import RECIPES_DIR
 
     shutil.rmtree(work, ignore_errors=True)
@@ -140,7 +141,8 @@ def build_and_export(work: Path) -> dict:
         with torch.no_grad():
             refs[name] = kind.reference_step(module, target, hs, ids)
         for fmt in kind.formats:
-            families[f"{fmt}/{name}"] = {"writer": kind.writer, "method": getattr(kind, "engines", None) and kind.engines.method}
+            families[f"{fmt}/{name}"] = {"family": kind.export.family.value,  # JSON for the venv
+                                           "method": kind.engines.method if isinstance(kind, BlockKind) else None}
             try:
                 exports[f"{fmt}/{name}"] = str(export(folder, fmt, work / "exports" / name / fmt))
             except SpecdrafterError as e:
@@ -162,13 +164,13 @@ def markdown(rows: list, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     from specdrafter.data.assets import cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/conformance")
     p.add_argument("--reinstall", action="store_true", help="pip-install again into the existing venv")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     # absolute: a check may chdir (speculators resolves a local verifier by its folder name from beside it)
     out, venv = Path(a.out).resolve(), cache_dir() / "conformance-venv"
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +207,7 @@ def worker(work: Path, venv: Path, res: Path) -> None:
     plan = []
     for key in exports:
         fmt, name = key.split("/")
-        if families[key]["writer"] == "block":  # DFlash, DSpark: export/block.py's folders
+        if families[key]["family"] == "block":  # DFlash, DSpark: export/block.py's folders
             plan += [(check, side, key) for check, side in BLOCK_CHECKS[fmt]]
             continue
         if fmt in ("vllm", "speculators"):

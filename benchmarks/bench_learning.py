@@ -1,6 +1,6 @@
 """Learning-curve probe: how fast a drafter recipe learns, in drafter-only steps on cached target rows.
 
-    python -m specdrafter.eval.bench_learning RECIPE.yaml [key=value ...] [--batches 48] [--steps 150] [--every 50]
+    python benchmarks/bench_learning.py RECIPE.yaml [key=value ...] [--batches 48] [--steps 150] [--every 50]
         [--out DIR]
 
 The target runs once over the first `--batches` micro-batches of the recipe's training data and its held-out

@@ -1,6 +1,6 @@
 """Benchmark: how fast the data job turns prompts into target tokens, against the teacher-forced ceiling.
 
-    python -m specdrafter.eval.bench_generation recipes/smollm2-135m-data.yaml [--prompts 32] [--max-new-tokens 128]
+    python benchmarks/bench_generation.py recipes/smollm2-135m-data.yaml [key=value ...] [--prompts 32] [--max-new-tokens 128]
 
 Three arms on the same chat-templated ShareGPT prompts, in one process, interleaved (arm order rotates every
 repeat), median of the repeats:

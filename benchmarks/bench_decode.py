@@ -3,8 +3,9 @@ model, and our loops with every drafter given — draft model (chain), EAGLE-3 (
 whole and auto-sized, ASD at T = 0), Medusa (static tree: exact and typical acceptance) — interleaved prompt by
 prompt on a fixed sample of MT-Bench, GSM8K and HumanEval first turns, repeated, at each temperature.
 
-    python -m specdrafter.eval.bench_decode recipes/smollm2-135m-generate.yaml --draft-model runs/smollm2-135m/draft-tv/drafter \\
-        --eagle3 runs/smollm2-135m/eagle3/drafter --medusa runs/smollm2-135m/medusa/drafter \\
+    python benchmarks/bench_decode.py recipes/smollm2-135m-generate.yaml [key=value ...] \\
+        --draft-model runs/smollm2-135m/draft-tv/drafter --eagle3 runs/smollm2-135m/eagle3/drafter \\
+        --medusa runs/smollm2-135m/medusa/drafter \\
         [--sets mtbench gsm8k humaneval] [--prompts 2] [--max-new-tokens 48] [--repeats 3] [--temperatures 0 1] [--out DIR]
         [--arms eagle3_chain eagle3_asd ...]
 
@@ -116,7 +117,7 @@ def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
 def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], spec: ArmSpec) -> Arm:
     c = variant(cfg, kind.name, path, spec.drafter, **spec.inference)
     if spec.decoder == "hf_assisted":  # HF assisted generation with the draft model itself
-        return Arm(spec.name, hf_decoder(setup, kind.model(c, setup.target, drafter_path(c))), spec.label)
+        return Arm(spec.name, hf_decoder(setup, kind.assistant_model(c, setup.target, drafter_path(c))), spec.label)
     c.inference.verifier = {"asd": "asd", "typical": "typical"}.get(spec.decoder, "exact")
     c.inference.max_new_tokens = setup.max_new_tokens
     decode = our_decoder(setup, c, kind.proposer(c, setup.target, drafter_path(c)))

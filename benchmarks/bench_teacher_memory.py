@@ -2,7 +2,7 @@
 7 TTT steps — recipes/llama8b.yaml), with the full-vocabulary teacher rows as before and with the draft-vocabulary
 teacher (train.drafters.teacher_rows: chunked normaliser, only the draft rows kept).
 
-    python -m specdrafter.eval.bench_teacher_memory [--tokens 1024] [--hidden 512]
+    python benchmarks/bench_teacher_memory.py [--tokens 1024] [--hidden 512]
 
 Each arm runs in a fresh process on a random 2-layer target with the real vocabulary and `--hidden` width (the
 teacher's memory depends on the vocabulary and the number of rows, not on the width) and reports the rise of the
@@ -65,7 +65,7 @@ def main(argv=None):
         return
     arms = {}
     for arm in ("full_vocab", "draft_vocab"):
-        done = subprocess.run([sys.executable, "-m", "specdrafter.eval.bench_teacher_memory", "--arm", arm, "--tokens",
+        done = subprocess.run([sys.executable, __file__, "--arm", arm, "--tokens",
                                str(args.tokens), "--hidden", str(args.hidden)], capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"error: the {arm} arm failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
