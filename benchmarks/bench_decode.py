@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from specdrafter.core.recipe import DrafterKind
+from specdrafter.core.recipe import DrafterKind, EvalVerifier
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (
@@ -116,13 +116,13 @@ def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
 
 def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], spec: ArmSpec) -> Arm:
     c = variant(cfg, kind.name, path, spec.drafter, **spec.inference)
-    if spec.decoder == "hf_assisted":  # HF assisted generation with the draft model itself
+    if spec.hf_assisted:  # HF assisted generation with the draft model itself
         return Arm(spec.name, hf_decoder(setup, kind.assistant_model(c, setup.target, drafter_path(c))), spec.label)
-    c.inference.verifier = {"asd": "asd", "typical": "typical"}.get(spec.decoder, "exact")
+    c.inference.verifier = spec.verifier.rule
     c.inference.max_new_tokens = setup.max_new_tokens
     decode = our_decoder(setup, c, kind.proposer(c, setup.target, drafter_path(c)))
-    if spec.decoder in ("chain", "asd"):
-        return Arm(spec.name, decode, spec.label, spec.k, greedy_only=spec.decoder == "asd")
+    if spec.verifier.is_chain:
+        return Arm(spec.name, decode, spec.label, spec.k, greedy_only=spec.verifier is EvalVerifier.asd)
     return Arm(spec.name, decode, spec.label, tree_size=spec.tree_size)
 
 

@@ -394,6 +394,16 @@ class EvalVerifier(Enum):
     typical = "typical"  # Medusa typical acceptance over inference.tree (lossy)
     asd = "asd"  # approximate speculative decoding at T = 0: inference.asd and every setting of eval.asd_sweep
 
+    @property
+    def rule(self) -> VerifierKind:
+        """The acceptance rule it decodes with (inference.verifier)."""
+        return {"asd": VerifierKind.asd, "typical": VerifierKind.typical}.get(self.value, VerifierKind.exact)
+
+    @property
+    def is_chain(self) -> bool:
+        """It decodes a chain of inference.k drafts (else a tree)."""
+        return self.value in ("chain", "asd")
+
 
 ASD_SETTINGS = Rule(lambda v: all(len(s) == 3 and s[0] >= 0 and s[1] >= 0 and s[2] >= 1 for s in v), whole=True,
                     must="a list of [budget >= 0, gate >= 0, max_mismatches >= 1]")

@@ -76,7 +76,7 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
-from specdrafter.core.recipe import ASDConfig, save_recipe
+from specdrafter.core.recipe import ASDConfig, EvalVerifier, save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (
@@ -443,10 +443,11 @@ def chain_recipe(cfg: DictConfig) -> DictConfig:
 
 def cell_decoding(cfg: DictConfig, cell: Cell) -> DictConfig:
     """The inference section a cell decodes with: its temperature, verifier, k and ASD setting, eval.max_new_tokens."""
-    inf = (cfg if cell.verifier in ("tree", "typical") else chain_recipe(cfg)).inference.copy()
+    verifier = EvalVerifier(cell.verifier)
+    inf = (chain_recipe(cfg) if verifier.is_chain else cfg).inference.copy()
     inf.temperature, inf.max_new_tokens = cell.temperature, cfg.eval.max_new_tokens
-    inf.verifier = {"typical": "typical", "asd": "asd"}.get(cell.verifier, "exact")
-    if cell.verifier in ("chain", "asd"):
+    inf.verifier = verifier.rule
+    if verifier.is_chain:
         inf.k = cell.k
     if cell.asd is not None:
         inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches = cell.asd.budget, cell.asd.gate, cell.asd.max_mismatches

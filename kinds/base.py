@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tu
 from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import RecipeError
+from specdrafter.core.recipe import EvalVerifier, RecipeError
 
 if TYPE_CHECKING:  # annotations only: importing the protocol loads no torch, transformers or peft
     from torch import nn
@@ -33,11 +33,12 @@ class ArmSpec(NamedTuple):
     """One benchmark arm of a kind: benchmarks/bench_decode.py builds the recipe variant and the decoder."""
     name: str  # e.g. "eagle3_chain"
     label: str  # what the report prints beside it (k, tree size)
-    decoder: str  # "chain" | "tree" | "typical" | "asd" | "hf_assisted"
+    verifier: EvalVerifier  # how our loops decode it, as the eval job's cells do
     inference: Dict[str, object] = {}  # inference.* keys set on the recipe for this arm (tree, dynamic_tree)
     drafter: Dict[str, object] = {}  # drafter.<kind section>.* keys, as {"block": {"length": "confidence"}}
     k: object = None  # the chain's block length (a number or "auto"), None for trees
     tree_size: Optional[int] = None  # nodes verified per cycle (trees)
+    hf_assisted: bool = False  # HF generate's assisted generation with the kind's assistant_model instead of our loops
 
 
 class Family(Enum):
@@ -127,7 +128,7 @@ class Kind:
         return target
 
     def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
-        return [ArmSpec(f"{self.name}_chain", f"k={cfg.inference.k}", "chain", k=cfg.inference.k)]
+        return [ArmSpec(f"{self.name}_chain", f"k={cfg.inference.k}", EvalVerifier.chain, k=cfg.inference.k)]
 
     # ------------------------------------------------------------------------------------------ planner
     def planner_module(self, cfg: DictConfig, target: nn.Module,

@@ -8,7 +8,7 @@ from typing import Dict, List
 import torch
 from omegaconf import DictConfig
 
-from specdrafter.core.recipe import RecipeError
+from specdrafter.core.recipe import EvalVerifier, RecipeError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
 from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
@@ -94,11 +94,11 @@ class BlockKind(Kind):
 
     def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
         k = cfg.inference.k
-        arms = [ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k)]
+        arms = [ArmSpec(f"{self.name}_chain", f"k={k}", EvalVerifier.chain, k=k)]
         if self.variant.heads and k != "auto":
-            arms.append(ArmSpec(f"{self.name}_confidence", f"k<={k} by confidence", "chain",
+            arms.append(ArmSpec(f"{self.name}_confidence", f"k<={k} by confidence", EvalVerifier.chain,
                                 drafter={"block": {"length": "confidence"}}, k=k))
-        arms.append(ArmSpec(f"{self.name}_asd", f"k={k} B={cfg.inference.asd.budget:g}", "asd", k=k))
+        arms.append(ArmSpec(f"{self.name}_asd", f"k={k} B={cfg.inference.asd.budget:g}", EvalVerifier.asd, k=k))
         return arms
 
     # ------------------------------------------------------------------------------------------ planner

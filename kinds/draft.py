@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import EvalVerifier
 from specdrafter.inference.proposers import (
     DraftModelProposer,
     DraftModelTreeProposer,
@@ -42,11 +43,12 @@ class CausalDraft(Kind):
     def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
         """HF assisted generation with the draft model, our chain, and the recipe's static tree."""
         inf, k = cfg.inference, cfg.inference.k
-        arms = [ArmSpec("hf_assisted", f"k={k}", "hf_assisted"), ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k)]
+        arms = [ArmSpec("hf_assisted", f"k={k}", EvalVerifier.chain, hf_assisted=True),
+                ArmSpec(f"{self.name}_chain", f"k={k}", EvalVerifier.chain, k=k)]
         if inf.tree:
             size = len(inf.tree) + 1
-            arms.append(ArmSpec(f"{self.name}_tree", f"tree {size}", "tree", {"tree": [list(c) for c in inf.tree]},
-                                tree_size=size))
+            arms.append(ArmSpec(f"{self.name}_tree", f"tree {size}", EvalVerifier.tree,
+                                {"tree": [list(c) for c in inf.tree]}, tree_size=size))
         return arms
 
 

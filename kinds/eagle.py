@@ -8,6 +8,7 @@ from typing import Callable, Dict, List
 import torch
 from omegaconf import DictConfig
 
+from specdrafter.core.recipe import EvalVerifier
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
 from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
 from specdrafter.models.eagle import (
@@ -45,9 +46,9 @@ class EagleHead(Kind):
         recipe_tree = {key: inf.dynamic_tree[key] for key in DEFAULT_DYNAMIC_TREE} if inf.dynamic_tree.total_tokens else {}
         whole = {**DEFAULT_DYNAMIC_TREE, **recipe_tree, "auto_size": False}  # the recipe's dynamic tree, or the default
         auto = {**whole, **AUTO_DYNAMIC_TREE, "auto_size": True}
-        return [ArmSpec(f"{self.name}_chain", f"k={k}", "chain", k=k),
+        return [ArmSpec(f"{self.name}_chain", f"k={k}", EvalVerifier.chain, k=k),
                 _dynamic_arm(f"{self.name}_tree", whole), _dynamic_arm(f"{self.name}_tree_auto", auto),
-                ArmSpec(f"{self.name}_asd", f"k={k} B={inf.asd.budget:g}", "asd", k=k)]
+                ArmSpec(f"{self.name}_asd", f"k={k} B={inf.asd.budget:g}", EvalVerifier.asd, k=k)]
 
 
 class Eagle3(EagleHead):
@@ -141,7 +142,7 @@ class Eagle1(EagleHead):
 
 def _dynamic_arm(name: str, tree: dict) -> ArmSpec:
     label = f"dynamic {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}" + (" auto" if tree["auto_size"] else "")
-    return ArmSpec(name, label, "tree", {"dynamic_tree": tree}, tree_size=tree["total_tokens"] + 1)
+    return ArmSpec(name, label, EvalVerifier.tree, {"dynamic_tree": tree}, tree_size=tree["total_tokens"] + 1)
 
 
 def _architectures(config: dict) -> List[str]:

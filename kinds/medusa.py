@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import DictConfig
 
-from specdrafter.core.recipe import RecipeError
+from specdrafter.core.recipe import EvalVerifier, RecipeError
 from specdrafter.inference.medusa import MedusaProposer, MedusaTreeProposer, serving_backbone
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
@@ -58,8 +58,8 @@ class Medusa(Kind):
         """A static tree (the recipe's, or a default one): exact tree verification and typical acceptance."""
         choices = [list(x) for x in cfg.inference.tree] or DEFAULT_MEDUSA_TREE
         size = len(choices) + 1
-        return [ArmSpec(f"{self.name}_tree", f"tree {size}", "tree", {"tree": choices}, tree_size=size),
-                ArmSpec(f"{self.name}_typical", f"tree {size}", "typical", {"tree": choices}, tree_size=size)]
+        return [ArmSpec(f"{self.name}_tree", f"tree {size}", EvalVerifier.tree, {"tree": choices}, tree_size=size),
+                ArmSpec(f"{self.name}_typical", f"tree {size}", EvalVerifier.typical, {"tree": choices}, tree_size=size)]
 
     def planner_module(self, cfg, target, config_of):
         drafter = self.drafter(cfg, target)
