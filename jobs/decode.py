@@ -21,18 +21,18 @@ from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.decode import ContextOverflow, GenerationResult, acceptance_rate, alpha_per_token, positions_tried
 from specdrafter.inference.decoder import Decoder, build_decoder
 from specdrafter.jobs.recipe import checked_recipe
-from specdrafter.kinds import KINDS, drafter_path, kind_of
+from specdrafter.kinds import KINDS, Kind, drafter_path, kind_of
 from specdrafter.recipes import RECIPES_DIR
 
 log = logging.getLogger("specdrafter")
 
 
-def load_serving_target(cfg: DictConfig, path: Optional[str]):
+def load_serving_target(cfg: DictConfig, path: Optional[str], kind: Optional[Kind] = None):
     """(model, tokenizer) that decoding verifies with: the recipe's target, or what the drafter folder at `path`
     (kinds.drafter_path, checked before the target loads) brings to serve in its place (Medusa-2's fine-tuned
-    backbone: kinds/: serving_target)."""
+    backbone: kinds/: serving_target). `kind`: the recipe's, when the caller has it."""
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
-    return kind_of(cfg).serving_target(Path(path) if path else None, target), tokenizer
+    return (kind or kind_of(cfg)).serving_target(Path(path) if path else None, target), tokenizer
 
 
 @dataclass
@@ -114,9 +114,9 @@ def load_decoder(cfg: DictConfig) -> "LoadedDecoder":
     chosen = resolve_drafter(cfg)
     log.info(chosen.line)
     cfg = chosen.cfg
-    path = drafter_path(cfg)  # a missing, damaged or wrong-kind drafter folder fails before the target loads
-    target, tokenizer = load_serving_target(cfg, path)
-    decoder = build_decoder(cfg.inference, target, kind_of(cfg).proposer(cfg, target, path), eos_token_ids(target, tokenizer))
+    path, kind = drafter_path(cfg), kind_of(cfg)  # a missing, damaged or wrong-kind folder fails before the target loads
+    target, tokenizer = load_serving_target(cfg, path, kind)
+    decoder = build_decoder(cfg.inference, target, kind.proposer(cfg, target, path), eos_token_ids(target, tokenizer))
     return LoadedDecoder(decoder, tokenizer, torch.Generator().manual_seed(cfg.inference.seed))
 
 
