@@ -1,6 +1,6 @@
 """Which of the repository's files a recipe passes through in one decode (the walk docs/architecture.md traces).
 
-    python benchmarks/recipe_walk.py eagle3 | dflash | dspark
+    python benchmarks/recipe_walk.py eagle3 | dflash | dspark     (an EAGLE-3 head, or a block drafter)
 
 A tiny random target (8 layers, SmolLM2's tokenizer) and a random drafter of the kind, saved to a temp folder, are
 decoded through launch/generate.py's main; a profile hook records each call, in the repository, of a function that
@@ -20,6 +20,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdrafter.data.assets import ensure_smollm2
 from specdrafter.jobs.cli import cli
+from specdrafter.kinds import KINDS
+from specdrafter.kinds.block import BlockKind
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +34,7 @@ def saved_pair(kind: str, root: Path) -> list:
                                           num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2))
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
-    if kind == "eagle3":
+    if not isinstance(KINDS[kind], BlockKind):  # an EAGLE-3 head
         from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
         folder = save_eagle3(Eagle3Head(eagle3_config(target.config, [2, 4, 6], len(tok))), root / "drafter")
         drafter = ["drafter.eagle.aux_layer_ids=[2,4,6]"]

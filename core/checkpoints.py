@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from specdrafter.core.io import SpecdrafterError, check_model_folder, complete_checkpoints, read_checkpoint_state
+from specdrafter.core.io import SpecdrafterError, complete_checkpoints, read_checkpoint_state
+from specdrafter.core.weights import check_model_folder
 
 
 @dataclass

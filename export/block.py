@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 from safetensors import safe_open
 
-from specdrafter.core.io import SpecdrafterError, atomic_write_json, save_weights
+from specdrafter.core.io import SpecdrafterError, atomic_write_json
+from specdrafter.core.weights import save_weights
 from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.models.block import BlockDrafter, load_block_drafter
 

@@ -51,14 +51,8 @@ from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from specdrafter.core.io import (
-    SpecdrafterError,
-    atomic_write_json,
-    atomic_write_text,
-    publish_dir,
-    save_weights,
-    temp_dir_beside,
-)
+from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside
+from specdrafter.core.weights import save_weights
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.export import block as block_export
 from specdrafter.export.layer_config import with_rope_keys

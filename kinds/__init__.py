@@ -11,8 +11,9 @@ from typing import Dict, List, Optional
 
 from omegaconf import DictConfig
 
-from specdrafter.core.io import SpecdrafterError, check_model_folder
+from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import RecipeError
+from specdrafter.core.weights import check_model_folder
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
 from specdrafter.kinds.block import DFlash, DSpark

@@ -43,7 +43,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from specdrafter.core.io import SpecdrafterError, json_file_problem, read_safetensors, save_config_and_weights
+from specdrafter.core.io import SpecdrafterError, json_file_problem
+from specdrafter.core.weights import read_safetensors, save_config_and_weights
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 

@@ -25,7 +25,8 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from specdrafter.core.io import SpecdrafterError, read_safetensors, save_config_and_weights
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.weights import read_safetensors, save_config_and_weights
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 

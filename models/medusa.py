@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from specdrafter.core.io import SpecdrafterError, read_safetensors, save_config_and_weights
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.weights import read_safetensors, save_config_and_weights
 
 
 class MedusaConfig(PretrainedConfig):

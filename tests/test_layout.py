@@ -3,6 +3,8 @@ kinds/, the jobs above it), no specdrafter import hidden inside a function, and 
 and conformance scripts, outside the installed package: they import it, never the other way round)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -117,3 +119,18 @@ def test_the_package_imports_nothing_of_the_benchmarks():
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] in scripts:
                 found.append(f"{path.relative_to(REPO)}: {node.module}")
     assert scripts > {"benchmarks"} and found == []
+
+
+def test_the_protocol_and_the_recipe_load_no_ml_library():
+    """kinds/base.py (the Kind protocol), core/recipe.py and core/io.py import no torch, transformers or peft: a tool
+    that only reads recipes or the protocol (a linter, a docs build) need not load them. The protocol's file is
+    loaded on its own, without the `specdrafter.kinds` package, whose __init__ imports the kinds themselves."""
+    code = ("import importlib.util, sys\n"
+            "import specdrafter.core.io, specdrafter.core.recipe\n"
+            f"spec = importlib.util.spec_from_file_location('protocol', {str(REPO / 'kinds' / 'base.py')!r})\n"
+            "module = sys.modules['protocol'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'safetensors') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -11,8 +11,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from specdrafter.core.io import SpecdrafterError, json_file_problem, mmap_safetensors
+from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.recipe import load_saved_recipe
+from specdrafter.core.weights import mmap_safetensors
 from specdrafter.data.regenerate import load_generated
 
 

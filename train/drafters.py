@@ -22,7 +22,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from specdrafter.core.io import SpecdrafterError, check_model_folder, publish_dir, temp_dir_beside, write_config_and_weights
+from specdrafter.core.io import SpecdrafterError, publish_dir, temp_dir_beside
+from specdrafter.core.weights import check_model_folder, write_config_and_weights
 from specdrafter.models.eagle import (
     Eagle1Head,
     Eagle3Head,
