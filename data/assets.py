@@ -21,22 +21,22 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import datasets
-import platformdirs
 import torch
 from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_bytes,
     atomic_write_json,
-    check_model_folder,
     first_line,
     publish_dir,
     remove_stale_temps,
     sha256_file,
     temp_dir_beside,
 )
+from specdrafter.core.weights import check_model_folder
 from specdrafter.data.chat import user_prompt_ids
 
 log = logging.getLogger("specdrafter")
@@ -64,10 +64,6 @@ CONVERSION_CHECK_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Give me three tips for staying focused while studying.",
 ]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDRAFTER_CACHE") or platformdirs.user_cache_dir("specdrafter")).expanduser()
 
 
 _LOCKS: Dict[str, FileLock] = {}
