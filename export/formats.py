@@ -51,10 +51,13 @@ from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text, publish_dir, temp_dir_beside
 from specdrafter.core.weights import save_weights
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.export import block as block_export
+from specdrafter.export.gguf import serving as gguf_serving
+from specdrafter.export.gguf import write_gguf
 from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.export.source import (
     Source,
@@ -72,7 +75,7 @@ FORMATS: Dict[str, Tuple[Kind, ...]] = {f: tuple(k for k in KINDS.values() if f 
                                         for f in _ALL_FORMATS}  # --format → the drafter kinds it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
-             "hf-draft": "transformers"}
+             "hf-draft": "transformers", "gguf": "gguf"}
 MEDUSA_REPO_HEADS = 5  # the Medusa repo's MedusaModel.from_pretrained builds this many heads whatever the config says
 ENGINES = {  # --format → the engine versions known to load it (their own code on CPU: launch/conformance.py), for the model card
     "vllm": "vLLM 0.32.0 and 0.33.0 load this folder unchanged (other versions are not checked)",
@@ -86,6 +89,8 @@ ENGINES = {  # --format → the engine versions known to load it (their own code
     "medusa": ("none checked: the Medusa repo's own loader needs the one-line conversion below; TGI and TensorRT-LLM "
                "read the files as they are"),
     "hf-draft": "transformers loads this folder (assisted generation); vLLM and SGLang draft-model serving is not checked",
+    "gguf": (f"llama.cpp {llamacpp.LLAMA_CPP_VERSION} (the PyPI source sdist {llamacpp.SDIST.name}=={llamacpp.SDIST.version}, "
+             "built by `specdrafter-llamacpp install`) converted this file with its own converter and serves it"),
 }
 AUX_LAYER_FORMATS = ("vllm", "sglang", "speculators")  # the EAGLE-3 formats: they name target layers to capture
 EAGLE_REPO = ("The EAGLE repo's own `EaModel` is not supported: with `target_hidden_size` in the config (always "
@@ -124,7 +129,11 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
     target = target_of(src.recipe)
     tmp = temp_dir_beside(out)
     try:
-        WRITERS[src.kind.export.family].write(src, tmp, target, fmt)
+        write = WRITERS[src.kind.export.family].write
+        if fmt == "gguf":  # the kind's convertible folder through llama.cpp's own converter
+            write_gguf(src, tmp, target, write)
+        else:
+            write(src, tmp, target, fmt)
         if (src.drafter / "backbone").is_dir():  # Medusa-2: the heads read this fine-tuned backbone, not the target
             copy_hf_folder(src.drafter / "backbone", tmp / "backbone")
         recipe = None
@@ -144,6 +153,9 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
 
 
 def check_kind(src: Source, fmt: str) -> None:
+    if fmt == "gguf" and (not src.kind.export or not src.kind.export.llamacpp):
+        raise SpecdrafterError(f"--format gguf: llama.cpp serves no drafter like {src.kind.description} (its "
+                               "--spec-type has draft, draft-eagle3, draft-dflash and draft-dspark)")
     if not src.kind.formats:
         raise SpecdrafterError(f"{str(src.drafter)!r} holds {src.kind.description}, which has no engine format here: "
                                f"{src.kind.no_export}")
@@ -323,9 +335,10 @@ def model_card(src: Source, fmt: str, target: Target, recipe: Optional[dict], mo
                    "base model a Medusa loader opens): the heads read its hidden states, and decoding verifies against "
                    "it. With the original target the heads' acceptance drops."), ""]
     writer = WRITERS[kind.export.family]
-    lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *writer.serving(fmt, src, target, model),
-              ""]
-    if writer.convention is not None:
+    commands = (gguf_serving(kind.export.llamacpp.spec_type, engine_block_length(src)) if fmt == "gguf" else
+                writer.serving(fmt, src, target, model))
+    lines += ["## Acceptance", "", acceptance_table(src), "", "## Serving", "", *commands, ""]
+    if writer.convention is not None and fmt != "gguf":
         lines += [f"## {writer.convention_title}", "", writer.convention(folder, fmt), ""]
     lines += ["## Files", "", *files_section(folder), ""]
     if recipe is not None:

@@ -50,11 +50,20 @@ class Family(Enum):
 
 
 @dataclass(frozen=True)
+class LlamaCpp:
+    """How llama.cpp serves a kind: `--format gguf` converts the `converts` export with llama.cpp's own converter."""
+    spec_type: str  # llama-server --spec-type
+    converts: str  # the --format whose folder convert_hf_to_gguf.py reads
+    pruned_vocab: bool = True  # its converter keeps a pruned draft vocabulary (d2t)
+
+
+@dataclass(frozen=True)
 class Export:
     """Where a kind exports: its family's writer writes the `formats`, and the model card carries the Hub tag."""
     family: Family
-    formats: Tuple[str, ...]  # export/formats.py --format names, as the kind lists them
+    formats: Tuple[str, ...]  # export/formats.py --format names, as the kind lists them (gguf: from `llamacpp`)
     card_tag: str  # the Hub tag of its model card
+    llamacpp: Optional[LlamaCpp] = None  # None: llama.cpp serves no drafter of this kind
 
 
 class Kind:
@@ -79,7 +88,9 @@ class Kind:
     @property
     def formats(self) -> Tuple[str, ...]:
         """The export formats that write this kind (none without an export)."""
-        return self.export.formats if self.export else ()
+        if self.export is None:
+            return ()
+        return self.export.formats + (("gguf",) if self.export.llamacpp else ())
 
     # --------------------------------------------------------------------------- recipes and folders
     def recognises(self, config: dict) -> bool:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from specdrafter.core.recipe import EvalVerifier, RecipeError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
-from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
 from specdrafter.models.block import (
     DFLASH,
     DSPARK,
@@ -25,6 +25,8 @@ from specdrafter.train import memory
 from specdrafter.train.block import BlockTrainingDrafter, drafter_config
 
 BLOCK_FORMATS = ("vllm", "sglang", "speculators")
+# llama.cpp's DFlash converter maps no d2t (its DSpark converter does)
+DFLASH_LLAMACPP = LlamaCpp("draft-dflash", converts="vllm", pruned_vocab=False)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ class DFlash(BlockKind):
     description = "a DFlash block drafter"
     recipe = "smollm2-135m-dflash.yaml"
     title = "DFlash block drafter"
-    export = Export(Family.block, BLOCK_FORMATS, card_tag="dflash")
+    export = Export(Family.block, BLOCK_FORMATS, card_tag="dflash", llamacpp=DFLASH_LLAMACPP)
     # z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
     # vLLM 0.20-0.21 have the class but read dflash_config.target_layer_ids as layer inputs (one layer early)
     engines = BlockEngines("dflash", "DFLASH", vllm_since="0.22.0",
@@ -179,7 +181,7 @@ class DSpark(BlockKind):
     description = "a DSpark block drafter"
     recipe = "smollm2-135m-dspark.yaml"
     title = "DSpark block drafter"
-    export = Export(Family.block, BLOCK_FORMATS, card_tag="dspark")
+    export = Export(Family.block, BLOCK_FORMATS, card_tag="dspark", llamacpp=LlamaCpp("draft-dspark", converts="vllm"))
     # vLLM 0.25-0.27 have the class but skip the confidence head's weights
     engines = BlockEngines("dspark", "DSPARK", vllm_since="0.28.0",
                            sglang_since="0.5.16", speculators_since="0.7.0")

@@ -21,7 +21,7 @@ from specdrafter.inference.proposers import (
     self_draft,
 )
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
 from specdrafter.train import memory
 from specdrafter.train.drafters import DraftModelDrafter
 from specdrafter.train.memory import Shapes
@@ -58,7 +58,7 @@ class DraftModel(CausalDraft):
     title = "Draft model"
     launcher = "train_draft.py"
     recipe = "smollm2-135m-draft.yaml"
-    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model")
+    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model", llamacpp=LlamaCpp("draft", converts="hf-draft"))
     plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
 
     def recognises(self, config: dict) -> bool:

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from specdrafter.core.recipe import EvalVerifier
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
-from specdrafter.kinds.base import ArmSpec, Export, Family, Kind
+from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
 from specdrafter.models.eagle import (
     EAGLE1_ARCH,
     aux_order_problem,
@@ -56,7 +56,8 @@ class Eagle3(EagleHead):
     description = "an EAGLE-3 head"
     title = "EAGLE-3 draft head"
     recipe = "smollm2-135m-eagle3.yaml"
-    export = Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3")
+    export = Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3",
+                    llamacpp=LlamaCpp("draft-eagle3", converts="vllm"))
     memory_fixes = {"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}
     load = staticmethod(load_eagle3)
 

@@ -32,12 +32,15 @@ def test_every_trainable_kind_has_its_launcher_and_recipe():
 
 
 def test_every_format_has_a_writer_for_each_of_its_kinds():
-    """One --format may serve several kinds (`vllm`: EAGLE-3, DFlash, DSpark); each kind's writer writes it."""
-    assert set(FORMATS) == {f for w in WRITERS.values() for f in w.formats}
+    """One --format may serve several kinds (`vllm`: EAGLE-3, DFlash, DSpark); each kind's writer writes it. gguf is
+    the folder of the format the kind's llama.cpp spec converts, which its writer writes."""
+    assert set(FORMATS) == {f for w in WRITERS.values() for f in w.formats} | {"gguf"}
     for fmt, kinds in FORMATS.items():
         assert list(kinds) == [k for k in KINDS.values() if fmt in k.formats] and kinds
-        assert all(fmt in WRITERS[k.export.family].formats for k in kinds), fmt
+        assert all((k.export.llamacpp.converts if fmt == "gguf" else fmt) in WRITERS[k.export.family].formats
+                   for k in kinds), fmt
     assert [k.name for k in FORMATS["vllm"]] == ["eagle3", "dflash", "dspark"]
+    assert [k.name for k in FORMATS["gguf"]] == ["eagle3", "dflash", "dspark", "draft_model"]
 
 
 @pytest.mark.parametrize("config, name", [

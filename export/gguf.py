@@ -1,0 +1,124 @@
+"""--format gguf: a drafter llama.cpp's llama-server serves beside a GGUF of its target (docs/llamacpp.md).
+
+The folder of the kind's `export.llamacpp.converts` format (EAGLE-3, DFlash, DSpark: the vllm layout; a draft model:
+hf-draft) is written first, then llama.cpp's own convert_hf_to_gguf.py, from the pinned source tree that
+core/llamacpp.py builds, turns it into `draft.gguf`: the engine's code decides what it reads. The converter fills in
+defaults without a word, so two checks stand around it:
+- before: an EAGLE-3 folder must carry its aux ids at the top level (`eagle_aux_hidden_state_layer_ids`), the only key
+  the converter reads; without it the head would be served on the default layers [2, L // 2, L − 3];
+- after: the GGUF's `target_layers` (llama.cpp names layer inputs, as we do) must be the layers the drafter was
+  trained on, and a pruned draft vocabulary must arrive whole (its d2t, as absolute target ids).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, List
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError, temp_dir_beside
+
+if TYPE_CHECKING:  # annotations only
+    from specdrafter.export.source import Source, Target
+
+DRAFT_FILE = "draft.gguf"
+OUTTYPE = "f32"  # the drafter's weights are trained in fp32; f32 keeps the exported logits ours
+# gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes
+READ_BACK = """
+import json, sys
+from gguf import GGUFReader
+r = GGUFReader(sys.argv[1])
+arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+layers = r.fields.get(arch + ".target_layers")
+print(json.dumps({"arch": arch, "target_layers": [int(layers.parts[i][0]) for i in layers.data] if layers else None,
+                  "tensors": {t.name: [int(n) for n in t.shape] for t in r.tensors}}))
+"""
+
+
+def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
+    """draft.gguf in `folder`: `write_layout(src, stage, target, fmt)` writes the kind's convertible folder, which
+    llama.cpp's converter reads with the target's own folder beside it (its config and tokenizer)."""
+    spec = src.kind.export.llamacpp
+    if target.folder is None:
+        raise SpecdrafterError(f"--format gguf reads the target's config.json and tokenizer, and {target.name!r} is not "
+                               "on this machine (export on the machine that trained it, or fetch the target first)")
+    llamacpp.converter()  # one line, before anything is written, if llama.cpp is not installed
+    if not spec.pruned_vocab and pruned_vocabulary(src.drafter):
+        raise SpecdrafterError(f"--format gguf: llama.cpp's converter keeps no pruned draft vocabulary for "
+                               f"{src.kind.description} (it maps no d2t); train it with the full vocabulary "
+                               "(drafter.block.draft_vocab_size=0)")
+    stage = temp_dir_beside(folder / "hf")
+    try:
+        write_layout(src, stage, target, spec.converts)
+        config = json.loads((stage / "config.json").read_text())
+        if spec.spec_type == "draft-eagle3" and not config.get("eagle_aux_hidden_state_layer_ids"):
+            raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
+                                   "converter would serve the head on its default layers")
+        convert(stage, folder / DRAFT_FILE, target.folder)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    check_gguf(folder / DRAFT_FILE, trained_layers(config, spec.spec_type), config)
+
+
+def pruned_vocabulary(drafter: Path) -> bool:
+    """The drafter folder's config.json names a draft vocabulary smaller than the target's."""
+    config = json.loads((drafter / "config.json").read_text())
+    return bool(config.get("draft_vocab_size")) and config["draft_vocab_size"] < config.get("vocab_size", 0)
+
+
+def convert(model: Path, out: Path, target_folder: Path | None = None, outtype: str = OUTTYPE) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on `model` (a drafter beside `target_folder`, or a plain causal LM), its
+    output in a log next to `out` that a failure names in one line."""
+    cmd = [sys.executable, str(llamacpp.converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
+    if target_folder is not None:
+        cmd += ["--target-model-dir", str(target_folder)]
+    done = subprocess.run(cmd, env=llamacpp.converter_env(), capture_output=True, text=True)
+    if done.returncode != 0 or not out.is_file():
+        log = llamacpp.home() / "convert.log"  # not in the export, which a failure removes
+        log.write_text(done.stdout + done.stderr)
+        last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
+        raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
+
+
+def read_gguf(path: Path) -> dict:
+    """{"arch", "target_layers", "tensors": {name: shape}} of a GGUF file, read by the gguf-py of the pinned tree."""
+    done = subprocess.run([sys.executable, "-c", READ_BACK, str(path)], env=llamacpp.converter_env(),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SpecdrafterError(f"{str(path)!r} does not read back as GGUF ({done.stderr.strip().splitlines()[-1:]})")
+    return json.loads(done.stdout)
+
+
+def trained_layers(config: dict, spec_type: str) -> List[int] | None:
+    """The target layers the converted folder's drafter reads, as layer inputs (None: it reads none)."""
+    if spec_type == "draft-eagle3":
+        return list(config["eagle_aux_hidden_state_layer_ids"])
+    if "dflash_config" in config:  # DFlash's layer outputs
+        return [k + 1 for k in config["dflash_config"]["target_layer_ids"]]
+    return None
+
+
+def check_gguf(path: Path, layers: List[int] | None, config: dict) -> None:
+    """The converted file reads the layers the drafter was trained on and keeps a pruned vocabulary's d2t."""
+    found = read_gguf(path)
+    if layers is not None and found["target_layers"] != layers:
+        raise SpecdrafterError(f"llama.cpp's converter wrote target layers {found['target_layers']}, but the drafter "
+                               f"was trained on {layers}: not served as trained")
+    vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+    if draft_vocab and vocab and draft_vocab < vocab:
+        d2t = [shape for name, shape in found["tensors"].items() if name.endswith("d2t")]
+        if d2t != [[draft_vocab]]:
+            raise SpecdrafterError(f"llama.cpp's converter dropped the pruned draft vocabulary ({draft_vocab} of {vocab} "
+                                   f"tokens; d2t in the GGUF: {d2t or 'none'})")
+
+
+def serving(spec_type: str, drafts: int) -> List[str]:
+    """The model card's llama-server command for draft.gguf (`drafts`: the most draft tokens per step)."""
+    return ["llama.cpp (`llama-server`; the target converted with the same tree's `convert_hf_to_gguf.py`):", "",
+            "```bash", f"llama-server -m TARGET.gguf -md {DRAFT_FILE} --spec-type {spec_type} "
+            f"--spec-draft-n-max {drafts} -t 1", "```", "",
+            "`-t 1` on a machine whose cores are shared: llama.cpp's threads spin while they wait."]
