@@ -162,6 +162,20 @@ def converter_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtype: str = "f32") -> None:
+    """llama.cpp's convert_hf_to_gguf.py on `model` (a drafter beside `target_folder`, or a plain causal LM) into
+    `out`; a failure is one line naming its last error and the log it leaves in `home()`."""
+    cmd = [sys.executable, str(converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
+    if target_folder is not None:
+        cmd += ["--target-model-dir", str(target_folder)]
+    done = subprocess.run(cmd, env=converter_env(), capture_output=True, text=True)
+    if done.returncode != 0 or not out.is_file():
+        log = home() / "convert.log"  # not in the export, which a failure removes
+        log.write_text(done.stdout + done.stderr)
+        last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
+        raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
+
+
 # ----------------------------------------------------------------------------------------------- install
 def install(jobs: int = 2, log: Log = print) -> Path:
     """Download, verify, unpack and build llama.cpp into `home()`; returns it. A rerun finds it and returns at once."""
@@ -435,12 +449,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = sub.add_parser("install", help="download, verify and build llama-server and llama-bench (a rerun returns at once)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
     sub.add_parser("where", help="print the installed paths, or say it is not installed")
+    p = sub.add_parser("convert", help="a Hugging Face causal-LM folder (the target) to GGUF, with llama.cpp's converter")
+    p.add_argument("model", type=Path, help="the model's folder (config.json, weights, tokenizer)")
+    p.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
+    p.add_argument("--outtype", default="f32", choices=("f32", "bf16", "f16", "q8_0"), help="weight type (default f32)")
     args = parser.parse_args(argv)
     try:
         if args.command == "install":
             was = installed()
             folder = install(jobs=args.jobs)
             print(f"llama.cpp {SDIST.version} {'already installed' if was else 'installed'} in {folder}")
+        elif args.command == "convert":
+            if not (args.model / "config.json").is_file():
+                raise SpecdrafterError(f"{str(args.model)!r} is not a model folder (no config.json)")
+            convert(args.model, args.out, outtype=args.outtype)
+            print(f"wrote {args.out}")
         else:
             for name, path in where().items():
                 print(f"{name:13s} {path}")

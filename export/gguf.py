@@ -58,7 +58,7 @@ def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
         if spec.spec_type == "draft-eagle3" and not config.get("eagle_aux_hidden_state_layer_ids"):
             raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
                                    "converter would serve the head on its default layers")
-        convert(stage, folder / DRAFT_FILE, target.folder)
+        llamacpp.convert(stage, folder / DRAFT_FILE, target.folder, OUTTYPE)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     check_gguf(folder / DRAFT_FILE, trained_layers(config, spec.spec_type), config)
@@ -68,20 +68,6 @@ def pruned_vocabulary(drafter: Path) -> bool:
     """The drafter folder's config.json names a draft vocabulary smaller than the target's."""
     config = json.loads((drafter / "config.json").read_text())
     return bool(config.get("draft_vocab_size")) and config["draft_vocab_size"] < config.get("vocab_size", 0)
-
-
-def convert(model: Path, out: Path, target_folder: Path | None = None, outtype: str = OUTTYPE) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on `model` (a drafter beside `target_folder`, or a plain causal LM), its
-    output in a log next to `out` that a failure names in one line."""
-    cmd = [sys.executable, str(llamacpp.converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
-    if target_folder is not None:
-        cmd += ["--target-model-dir", str(target_folder)]
-    done = subprocess.run(cmd, env=llamacpp.converter_env(), capture_output=True, text=True)
-    if done.returncode != 0 or not out.is_file():
-        log = llamacpp.home() / "convert.log"  # not in the export, which a failure removes
-        log.write_text(done.stdout + done.stderr)
-        last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
-        raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
 
 
 def read_gguf(path: Path) -> dict:

@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
-from specdrafter.export.gguf import DRAFT_FILE, convert, read_gguf
+from specdrafter.export.gguf import DRAFT_FILE, read_gguf
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import build_drafter
 
@@ -142,7 +142,7 @@ def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, run
     """Greedy, 24 tokens: the drafter may only change the speed. A random drafter is rejected often, so the rollback
     runs."""
     target_gguf = tmp_path / "target.gguf"
-    convert(target_dir, target_gguf)
+    llamacpp.convert(target_dir, target_gguf)
     out = export(run_of(kind, "drafter.eagle.draft_vocab_size=0"), "gguf", tmp_path / kind)
     prompt = list(range(100, 120))
     alone = greedy_completion(["-m", str(target_gguf)], prompt, 24)
@@ -151,3 +151,15 @@ def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, run
     assert len(alone["tokens"]) == 24 and drafted["tokens"] == alone["tokens"]
     assert drafted["timings"]["draft_n"] > 0  # the drafter drafted
     shutil.rmtree(out)
+
+
+@needs_llamacpp
+def test_the_command_converts_a_target_and_refuses_a_folder_without_config(tmp_path, target_dir):
+    done = subprocess.run(["specdrafter-llamacpp", "convert", str(target_dir), "--out", str(tmp_path / "t.gguf")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert read_gguf(tmp_path / "t.gguf")["arch"] == "llama"
+    done = subprocess.run(["specdrafter-llamacpp", "convert", str(tmp_path), "--out", str(tmp_path / "x.gguf")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: {str(tmp_path)!r} is not a model folder (no config.json)"]
