@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 from specdrafter.core.cache import cache_dir
-from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError, atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def install(jobs: int = 2, log: Log = print) -> Path:
             _check_runs(name)
         stamp = {**_stamp(), "llama_cpp": LLAMA_CPP_VERSION, "jobs": jobs, "seconds": round(time.monotonic() - start),
                  "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        _write_atomic(stamp_path(), json.dumps(stamp, indent=2) + "\n")
+        atomic_write_text(stamp_path(), json.dumps(stamp, indent=2) + "\n")
         step(f"installed llama.cpp {SDIST.version} in {home()}")
     return home()
 
@@ -418,20 +418,6 @@ def _check_runs(name: str) -> None:
     if done.returncode != 0:
         last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
         raise SpecdrafterError(f"the built {path} {flag} exited {done.returncode}: {last}; remove {home()} and rerun")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------------- the command
