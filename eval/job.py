@@ -164,9 +164,14 @@ class Cell:
     sweep: bool = False  # a cell of the speedup-vs-k sweep
 
     @property
+    def is_chain(self) -> bool:
+        """It decodes a chain of k drafts (chain, asd), else a tree (tree, typical)."""
+        return EvalVerifier(self.verifier).is_chain
+
+    @property
     def id(self) -> str:
         cell_id = f"{self.checkpoint.name}|{self.set}|T={self.temperature}|{self.verifier}"
-        cell_id += f"|k={self.k}" if self.verifier in ("chain", "asd") else ""
+        cell_id += f"|k={self.k}" if self.is_chain else ""
         if self.asd is not None:
             cell_id += "|asd=" + ",".join(f"{x:g}" for x in self._asd_values())
         return cell_id
@@ -319,7 +324,7 @@ def _measure_machine(cfg: DictConfig, results: Results, target, prompt: List[int
     """v(n) for every pass size a planned cell needs (up to k_max + 1 when a block length is auto-tuned, the tree's
     size and an auto-sized tree's grid), measured once per results.json so that every cell shares one v(n)."""
     e, k = cfg.eval, cfg.inference.k
-    tree_size = _tree_size(cfg) if any(cell.verifier in ("tree", "typical") for cell in todo) else 0
+    tree_size = _tree_size(cfg) if any(not cell.is_chain for cell in todo) else 0
     auto = k == "auto" or bool(e.k_sweep)  # an auto-tuned cell will run: its tuner needs v(n) up to k_max + 1
     longest = max([0 if k == "auto" else k, *e.k_sweep, cfg.inference.k_max if auto else 0])
     tuner = _tree_tuner(cfg, None) if tree_size else None  # an auto-sized tree: v(n) on the tuner's grid too
@@ -443,11 +448,10 @@ def chain_recipe(cfg: DictConfig) -> DictConfig:
 
 def cell_decoding(cfg: DictConfig, cell: Cell) -> DictConfig:
     """The inference section a cell decodes with: its temperature, verifier, k and ASD setting, eval.max_new_tokens."""
-    verifier = EvalVerifier(cell.verifier)
-    inf = (chain_recipe(cfg) if verifier.is_chain else cfg).inference.copy()
+    inf = (chain_recipe(cfg) if cell.is_chain else cfg).inference.copy()
     inf.temperature, inf.max_new_tokens = cell.temperature, cfg.eval.max_new_tokens
-    inf.verifier = verifier.rule
-    if verifier.is_chain:
+    inf.verifier = EvalVerifier(cell.verifier).rule
+    if cell.is_chain:
         inf.k = cell.k
     if cell.asd is not None:
         inf.asd.budget, inf.asd.gate, inf.asd.max_mismatches = cell.asd.budget, cell.asd.gate, cell.asd.max_mismatches
@@ -498,7 +502,7 @@ def _run_cell(cfg: DictConfig, cell: Cell, context: CellContext, beside: Optiona
     # One decoder for the whole cell: its tuners (k = auto, an auto-sized tree; fresh per cell, acceptance differs with
     # T) start from the v(n) the job measured (their own calibration would be timed here).
     costs = replace(context.machine, step_s=context.step_s)
-    proposer = context.tree if verifier in ("tree", "typical") else context.chain
+    proposer = context.chain if cell.is_chain else context.tree
     decoder = build_decoder(cell_decoding(cfg, cell), context.target, proposer, context.eos, costs,
                             record_tv=verifier == "chain")
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
@@ -515,7 +519,7 @@ def _run_cell(cfg: DictConfig, cell: Cell, context: CellContext, beside: Optiona
         regret += r.asd_regret
         rows.append({"id": i, "tokens": r.tokens, "text": context.tokenizer.decode(r.tokens, skip_special_tokens=True)})
     tokens = sum(len(r["tokens"]) for r in rows)
-    chain = verifier in ("chain", "asd")
+    chain = cell.is_chain
     metrics = cycle_metrics(cycles, tokens, context.step_s, context.machine.v, chain).rounded()
     del metrics["verifier_per_token_vs_target_step"]  # the decode benchmark's column, not results.json's
     name = f"outputs/{_slug(cell.id)}.jsonl"
