@@ -30,12 +30,20 @@ OUTTYPE = "f32"  # the drafter's weights are trained in fp32; f32 keeps the expo
 # gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes
 READ_BACK = """
 import json, sys
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 r = GGUFReader(sys.argv[1])
 arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
 layers = r.fields.get(arch + ".target_layers")
+scalars = {}
+for name, f in r.fields.items():
+    if name.startswith("tokenizer.") or len(f.types) != 1 or not f.data:
+        continue
+    part = f.parts[f.data[0]]
+    scalars[name] = str(bytes(part), "utf-8") if f.types[0] == GGUFValueType.STRING else part.tolist()[0]
+tokens = r.fields.get("tokenizer.ggml.tokens")
 print(json.dumps({"arch": arch, "target_layers": [int(layers.parts[i][0]) for i in layers.data] if layers else None,
-                  "tensors": {t.name: [int(n) for n in t.shape] for t in r.tensors}}))
+                  "tensors": {t.name: [int(n) for n in t.shape] for t in r.tensors}, "fields": scalars,
+                  "vocab_size": len(tokens.data) if tokens else None}))
 """
 
 
@@ -71,7 +79,8 @@ def pruned_vocabulary(drafter: Path) -> bool:
 
 
 def read_gguf(path: Path) -> dict:
-    """{"arch", "target_layers", "tensors": {name: shape}} of a GGUF file, read by the gguf-py of the pinned tree."""
+    """{"arch", "target_layers", "tensors": {name: shape}, "fields": {key: scalar}, "vocab_size"} of a GGUF file,
+    read by the gguf-py of the pinned tree (the tokenizer's arrays left out, but for the vocabulary's length)."""
     done = subprocess.run([sys.executable, "-c", READ_BACK, str(path)], env=llamacpp.converter_env(),
                           capture_output=True, text=True)
     if done.returncode != 0:

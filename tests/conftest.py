@@ -10,10 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from scipy.stats import chisquare
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdrafter.data.assets import ensure_prompt_set, ensure_smollm2
+from specdrafter.jobs.recipe import load_recipe
+from specdrafter.kinds import build_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 # benchmarks/ is no package (outside the install): tests import its scripts by name (`from bench_plan import ...`),
@@ -145,3 +148,45 @@ def prompt_file(tmp_path) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 
+
+
+# --------------------------------------------------------------- llama.cpp: a target and drafters to convert
+RECIPES = {"eagle3": "smollm2-135m-eagle3", "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark",
+           "draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle1": "smollm2-135m-eagle3"}
+LAYERS = 6
+TINY = ["drafter.num_layers=1", "drafter.eagle.aux_layer_ids=[1,3,5]", "drafter.medusa.num_heads=2",
+        "drafter.block.num_layers=1", "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1,3,5]",
+        "drafter.block.markov_rank=8", "inference.k=3", "train.wandb.mode=disabled", "target.dtype=float32"]
+
+
+@pytest.fixture(scope="session")
+def gguf_gguf_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A 6-layer random Llama (hidden 64) with SmolLM2's tokenizer, its lm_head sharpened so greedy is decisive."""
+    torch.manual_seed(0)
+    config = tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=LAYERS, tie_word_embeddings=False,
+                               hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    folder = tmp_path_factory.mktemp("gguf-target")
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def drafter_run_of(tmp_path_factory, gguf_target_dir, smollm2_tokenizer):
+    """run_of(kind, *overrides) → a run folder holding one checkpoint of a drafter built from the kind's recipe."""
+    target = LlamaForCausalLM.from_pretrained(gguf_target_dir).eval()
+
+    def make(kind, *extra):
+        run = tmp_path_factory.mktemp(f"gguf-run-{kind}")
+        cfg = load_recipe(REPO / "recipes" / f"{RECIPES[kind]}.yaml",
+                          [f"output_dir={run}", f"target.model={gguf_target_dir}", f"drafter.kind={kind}", *TINY, *extra])
+        drafter = build_drafter(cfg, target, None, smollm2_tokenizer)
+        folder = run / "checkpoints" / "step-000004"
+        drafter.save(drafter.module, folder / "drafter", smollm2_tokenizer)
+        (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "drafter": kind, "metrics": {}}))
+        return run
+    return make

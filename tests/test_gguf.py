@@ -12,62 +12,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import tiny_llama_config
-from omegaconf import OmegaConf
-from transformers import LlamaForCausalLM
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, read_gguf
-from specdrafter.jobs.recipe import load_recipe
-from specdrafter.kinds import build_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 BUILT = llamacpp.installed()
 needs_llamacpp = pytest.mark.skipif(not BUILT, reason="llama.cpp is not built (specdrafter-llamacpp install)")
-RECIPES = {"eagle3": "smollm2-135m-eagle3", "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark",
-           "draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle1": "smollm2-135m-eagle3"}
-LAYERS = 6
-TINY = ["drafter.num_layers=1", "drafter.eagle.aux_layer_ids=[1,3,5]", "drafter.medusa.num_heads=2",
-        "drafter.block.num_layers=1", "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1,3,5]",
-        "drafter.block.markov_rank=8", "inference.k=3", "train.wandb.mode=disabled", "target.dtype=float32"]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A 6-layer random Llama (hidden 64) with SmolLM2's tokenizer, its lm_head sharpened so greedy is decisive."""
-    torch.manual_seed(0)
-    config = tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=LAYERS, tie_word_embeddings=False,
-                               hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    folder = tmp_path_factory.mktemp("gguf-target")
-    model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def run_of(tmp_path_factory, target_dir, smollm2_tokenizer):
-    """run_of(kind, *overrides) → a run folder holding one checkpoint of a drafter built from the kind's recipe."""
-    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
-
-    def make(kind, *extra):
-        run = tmp_path_factory.mktemp(f"gguf-run-{kind}")
-        cfg = load_recipe(REPO / "recipes" / f"{RECIPES[kind]}.yaml",
-                          [f"output_dir={run}", f"target.model={target_dir}", f"drafter.kind={kind}", *TINY, *extra])
-        drafter = build_drafter(cfg, target, None, smollm2_tokenizer)
-        folder = run / "checkpoints" / "step-000004"
-        drafter.save(drafter.module, folder / "drafter", smollm2_tokenizer)
-        (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
-        (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "drafter": kind, "metrics": {}}))
-        return run
-    return make
-
-
 @needs_llamacpp
 @pytest.mark.parametrize("kind, extra, arch, layers", [
     ("eagle3", ["drafter.eagle.draft_vocab_size=0"], "eagle3", [1, 3, 5]),
@@ -75,8 +28,8 @@ def run_of(tmp_path_factory, target_dir, smollm2_tokenizer):
     ("dspark", [], "dflash", [1, 3, 5]),  # llama.cpp's DSpark is DFlash's architecture plus the Markov head
     ("draft_model", [], "llama", None),
 ])
-def test_each_kind_llamacpp_serves_converts_reading_the_trained_layers(tmp_path, run_of, kind, extra, arch, layers):
-    out = export(run_of(kind, *extra), "gguf", tmp_path / kind)
+def test_each_kind_llamacpp_serves_converts_reading_the_trained_layers(tmp_path, drafter_run_of, kind, extra, arch, layers):
+    out = export(drafter_run_of(kind, *extra), "gguf", tmp_path / kind)
     found = read_gguf(out / DRAFT_FILE)
     assert found["arch"] == arch and found["target_layers"] == layers
     card = (out / "README.md").read_text()
@@ -85,23 +38,23 @@ def test_each_kind_llamacpp_serves_converts_reading_the_trained_layers(tmp_path,
 
 
 @needs_llamacpp
-def test_a_pruned_eagle3_vocabulary_survives_conversion(tmp_path, run_of):
-    out = export(run_of("eagle3", "drafter.eagle.draft_vocab_size=1024"), "gguf", tmp_path / "pruned")
+def test_a_pruned_eagle3_vocabulary_survives_conversion(tmp_path, drafter_run_of):
+    out = export(drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=1024"), "gguf", tmp_path / "pruned")
     d2t = {name: shape for name, shape in read_gguf(out / DRAFT_FILE)["tensors"].items() if name.endswith("d2t")}
     assert list(d2t.values()) == [[1024]]
 
 
 @needs_llamacpp
-def test_a_pruned_dflash_vocabulary_llamacpp_cannot_convert_is_one_line(tmp_path, run_of):
+def test_a_pruned_dflash_vocabulary_llamacpp_cannot_convert_is_one_line(tmp_path, drafter_run_of):
     with pytest.raises(SpecdrafterError, match="keeps no pruned draft vocabulary for a DFlash") as e:
-        export(run_of("dflash", "drafter.block.draft_vocab_size=1024"), "gguf", tmp_path / "dflash")
+        export(drafter_run_of("dflash", "drafter.block.draft_vocab_size=1024"), "gguf", tmp_path / "dflash")
     assert "\n" not in str(e.value) and not (tmp_path / "dflash").exists()
 
 
 @pytest.mark.parametrize("kind, extra", [("medusa", []), ("eagle1", [])])
-def test_a_kind_llamacpp_does_not_serve_is_one_line(tmp_path, run_of, kind, extra):
+def test_a_kind_llamacpp_does_not_serve_is_one_line(tmp_path, drafter_run_of, kind, extra):
     with pytest.raises(SpecdrafterError, match="llama.cpp serves no drafter like") as e:
-        export(run_of(kind, *extra), "gguf", tmp_path / kind)
+        export(drafter_run_of(kind, *extra), "gguf", tmp_path / kind)
     assert "\n" not in str(e.value) and not (tmp_path / kind).exists()
 
 
@@ -138,12 +91,12 @@ def greedy_completion(args: list, prompt: list, n: int) -> dict:
 
 @needs_llamacpp
 @pytest.mark.parametrize("kind, spec_type", [("eagle3", "draft-eagle3"), ("dspark", "draft-dspark")])
-def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, run_of, target_dir, kind, spec_type):
+def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, drafter_run_of, gguf_target_dir, kind, spec_type):
     """Greedy, 24 tokens: the drafter may only change the speed. A random drafter is rejected often, so the rollback
     runs."""
     target_gguf = tmp_path / "target.gguf"
-    llamacpp.convert(target_dir, target_gguf)
-    out = export(run_of(kind, "drafter.eagle.draft_vocab_size=0"), "gguf", tmp_path / kind)
+    llamacpp.convert(gguf_target_dir, target_gguf)
+    out = export(drafter_run_of(kind, "drafter.eagle.draft_vocab_size=0"), "gguf", tmp_path / kind)
     prompt = list(range(100, 120))
     alone = greedy_completion(["-m", str(target_gguf)], prompt, 24)
     drafted = greedy_completion(["-m", str(target_gguf), "-md", str(out / DRAFT_FILE), "--spec-type", spec_type,
@@ -154,8 +107,8 @@ def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, run
 
 
 @needs_llamacpp
-def test_the_command_converts_a_target_and_refuses_a_folder_without_config(tmp_path, target_dir):
-    done = subprocess.run(["specdrafter-llamacpp", "convert", str(target_dir), "--out", str(tmp_path / "t.gguf")],
+def test_the_command_converts_a_target_and_refuses_a_folder_without_config(tmp_path, gguf_target_dir):
+    done = subprocess.run(["specdrafter-llamacpp", "convert", str(gguf_target_dir), "--out", str(tmp_path / "t.gguf")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert read_gguf(tmp_path / "t.gguf")["arch"] == "llama"

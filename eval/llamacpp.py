@@ -1,0 +1,310 @@
+"""llama.cpp's costs, and a drafter measured in llama-server: what the launcher plans with and the eval job reports.
+
+The cost model is the loop's (docs/algorithms.md §Speedup model), with llama.cpp's own numbers in it:
+
+    speedup(k) = E[tokens per step | k] / (v(k+1) + c(k))        both terms in target steps
+
+- v(n): llama.cpp's target pass over n tokens ÷ its pass over one, measured with `llama-bench` (`-p n -n 0` at a
+  depth of `DEPTH` tokens), rounds of every size in rotating order, so a slow spell hits every size alike
+  (`measure_v`, the loop's `PassCosts`).
+- c(k): what one step of drafting k tokens costs in llama-server beyond the verify pass, ÷ one target step. Measured
+  in the server itself, as `calibrate` runs the drafter at n_max = 1 and n_max = K on calibration prompts: per
+  verify step, c(k) = step time ÷ target-only token time − v(k+1); in between, linear in k (an EAGLE-3 head drafts
+  token by token, a block drafter in one pass whose size grows with k: a line covers both).
+- E[tokens | k] = 1 + Σ_{j≤k} P(A ≥ j), A the drafts accepted in a step, from llama-server's own per-position
+  counters at n_max = K (its log at `-lv 4`, "acc per pos"); at T = 0 the first k drafts do not depend on n_max, so
+  the curve at K serves every k ≤ K.
+
+llama.cpp's replies carry `draft_n` and `draft_n_accepted`; each verify step commits its accepted drafts and one
+token of the target's, so a reply's verify steps are `predicted_n − 1 − draft_n_accepted` (its first token comes
+from the prompt pass). α = accepted ÷ drafted and τ = tokens per verify step, as the loop defines them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.autotune import MIN_NOISE, PassCosts, expected_tokens, robust_choice
+from specdrafter.inference.llama_server import LlamaServer
+
+DEPTH = 128  # tokens already in the cache when llama-bench times a pass (a decode step sits after its prompt)
+# A first differing token at T = 0 is a numerical tie when the target's top-2 logit margin there (from a target-only
+# pass) is at most this, per GGUF weight type: a verify pass over k + 1 tokens and a 1-token step run different
+# kernels (batched matrix products, other summation orders), whose rounding moves logits by about 1e-4 in f32 and by
+# about 1e-2 when activations are rounded to 16 bits. Ten times that is still a tie; a larger margin is a wrong verifier.
+TIE_MARGIN = {"f32": 1e-3, "f16": 0.1, "bf16": 0.1, "q8_0": 0.3}
+_POS_LINE = re.compile(r"acc per pos = \(([0-9., ]*)\)")
+
+
+# ------------------------------------------------------------------------------------------------------- v(n)
+def measure_v(target: Path, sizes: Sequence[int], threads: int = 1, rounds: int = 5, depth: int = DEPTH) -> PassCosts:
+    """llama.cpp's v(n) for the target GGUF, n in `sizes` (1 always): `rounds` llama-bench runs, each timing every
+    size once (after a warm-up) in an order that rotates from round to round."""
+    sizes = sorted({1, *sizes})
+    times: Dict[int, List[float]] = {n: [] for n in sizes}
+    for r in range(rounds):
+        order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]
+        for n in order:
+            times[n].extend(_bench(target, n, threads, depth))
+    return PassCosts.from_timings(times)
+
+
+def _bench(target: Path, n: int, threads: int, depth: int) -> List[float]:
+    cmd = [str(llamacpp.binary("llama-bench")), "-m", str(target), "-p", str(n), "-n", "0", "-d", str(depth),
+           "-r", "1", "-t", str(threads), "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpecdrafterError(f"llama-bench failed on {str(target)!r} (exit {done.returncode}): {last}")
+    return [ns / 1e9 for row in json.loads(done.stdout) for ns in row["samples_ns"]]
+
+
+# ---------------------------------------------------------------------------------------------- answers
+@dataclass
+class Answer:
+    """One llama-server reply: its tokens and what the engine timed and counted."""
+
+    tokens: List[int]
+    ms: float  # llama.cpp's generation time (prompt processing excluded)
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def steps(self) -> int:
+        """Verify steps (or target steps without a drafter): the first token comes from the prompt pass."""
+        return max(len(self.tokens) - 1 - self.accepted, 1)
+
+    @classmethod
+    def of(cls, reply: dict) -> "Answer":
+        t = reply["timings"]
+        return cls(list(reply["tokens"]), float(t["predicted_ms"]), int(t.get("draft_n", 0)),
+                   int(t.get("draft_n_accepted", 0)))
+
+
+def answer(server: LlamaServer, prompt: Sequence[int], n: int, temperature: float = 0.0, seed: int = 0) -> Answer:
+    return Answer.of(server.complete(prompt, n, temperature=temperature, seed=seed))
+
+
+def token_ms(answers: Sequence[Answer]) -> float:
+    """Target-only milliseconds per token (per step), over answers without a drafter."""
+    return sum(a.ms for a in answers) / max(sum(a.steps for a in answers), 1)
+
+
+def reach_curve(log_text: str) -> List[float]:
+    """P(A ≥ j), j = 1..K, from llama-server's "acc per pos" lines (one per finished request, `-lv 4`), weighted by
+    nothing: every request of a calibration run has the same length, so the plain mean is the pooled rate."""
+    rows = [[float(x) for x in m.group(1).split(",") if x.strip()] for m in _POS_LINE.finditer(log_text)]
+    rows = [r for r in rows if r]
+    if not rows:
+        return []
+    width = max(len(r) for r in rows)
+    return [statistics.fmean(r[j] if j < len(r) else 0.0 for r in rows) for j in range(width)]
+
+
+def conditional(reach: Sequence[float]) -> List[float]:
+    """a_j = P(A ≥ j | A ≥ j − 1), what `expected_tokens` takes."""
+    out, before = [], 1.0
+    for r in reach:
+        out.append(r / before if before > 0 else 0.0)
+        before = r
+    return out
+
+
+# ------------------------------------------------------------------------------------------- calibration
+@dataclass
+class Calibration:
+    """A drafter in llama-server on this machine: c at two block lengths, its acceptance curve, the v(n) it goes with."""
+
+    spec_type: str
+    max_k: int
+    c: Dict[int, float]  # {1: c(1), K: c(K)}
+    reach: List[float]  # P(A ≥ j), j = 1..K, at T = 0
+    v: Dict[int, float]  # llama.cpp's v(n), fitted monotone
+    v_noise: float
+    target_ms: float  # target-only ms per token in the server
+    threads: int
+    prompts: int
+    tokens: int  # per prompt
+
+    def c_at(self, k: int) -> float:
+        lo, hi = min(self.c), max(self.c)
+        if hi == lo:
+            return self.c[lo]
+        return self.c[lo] + (self.c[hi] - self.c[lo]) * (k - lo) / (hi - lo)
+
+    def tokens_per_step(self, k: int) -> float:
+        return expected_tokens(conditional(self.reach), k)
+
+    def predicted(self, k: int) -> float:
+        """The predicted speedup over the same server without the drafter at block length k."""
+        return self.tokens_per_step(k) / (self.v[min(k + 1, max(self.v))] + self.c_at(k))
+
+    def alpha_needed(self, speedup: float) -> Optional[float]:
+        """The per-draft acceptance α (the same at every position) at which the best k would reach `speedup` at
+        these costs; None if no α < 1 does."""
+        def best(alpha: float) -> float:
+            return max(sum(alpha ** j for j in range(k + 1)) / (self.v[min(k + 1, max(self.v))] + self.c_at(k))
+                       for k in range(1, self.max_k + 1))
+        if best(0.999) < speedup:
+            return None
+        lo, hi = 0.0, 0.999
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if best(mid) < speedup else (lo, mid)
+        return hi
+
+    def table(self) -> List[dict]:
+        return [{"k": k, "tokens_per_step": round(self.tokens_per_step(k), 3), "c": round(self.c_at(k), 4),
+                 "v": round(self.v[min(k + 1, max(self.v))], 4), "predicted_speedup": round(self.predicted(k), 3)}
+                for k in range(1, self.max_k + 1)]
+
+    def choose(self) -> "Choice":
+        """The k with the best predicted speedup among those acceptance does not rule out (the loop's
+        `robust_choice`), and whether it pays: predicted ≥ 1 + the timing noise."""
+        ks = list(range(1, self.max_k + 1))
+        noise = max(MIN_NOISE, self.v_noise)
+        best = ks[robust_choice([self.tokens_per_step(k) for k in ks], [self.predicted(k) for k in ks], noise)]
+        return Choice(best, self.predicted(best), self.predicted(best) >= 1 + noise, noise)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "c": {str(k): x for k, x in self.c.items()}, "v": {str(n): x for n, x in self.v.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        return cls(**{**data, "c": {int(k): x for k, x in data["c"].items()},
+                      "v": {int(n): x for n, x in data["v"].items()}})
+
+
+@dataclass(frozen=True)
+class Choice:
+    k: int
+    predicted: float
+    pays: bool  # predicted speedup clear of 1 by the timing noise
+    noise: float
+
+
+def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Sequence[Sequence[int]],
+              tokens: int = 64, threads: int = 1, costs: Optional[PassCosts] = None, log=print) -> Calibration:
+    """Measure the drafter in llama-server: target-only token time, then the drafter at n_max = 1 and n_max =
+    max_k on `prompts` at T = 0 (one server at a time: llama.cpp's threads spin)."""
+    costs = costs or measure_v(target, range(2, max_k + 2), threads)
+    log(f"llama.cpp v(n) for n = 1..{max_k + 1}: " + ", ".join(f"{costs.v[n]:.2f}" for n in sorted(costs.v)))
+    with LlamaServer(target, threads=threads) as alone:
+        base = [answer(alone, p, tokens) for p in prompts]
+    target_ms = token_ms(base)
+    c, reach = {}, []
+    for k in sorted({1, max_k}):
+        with LlamaServer(target, draft, spec_type, n_max=k, p_min=0.0, threads=threads, extra=["-lv", "4"]) as s:
+            runs = [answer(s, p, tokens) for p in prompts]
+            log_text = s.log_text()
+        step_ms = sum(a.ms for a in runs) / sum(a.steps for a in runs)
+        c[k] = max(step_ms / target_ms - costs.v[min(k + 1, max(costs.v))], 0.0)
+        if k == max_k:
+            reach = reach_curve(log_text) or [sum(a.accepted for a in runs) / sum(a.steps for a in runs)]
+        log(f"  n_max {k}: {step_ms:.1f} ms per step against {target_ms:.1f} ms per target token, c({k}) = {c[k]:.3f}")
+    return Calibration(spec_type, max_k, c, reach, dict(costs.v), costs.noise, target_ms, threads, len(prompts), tokens)
+
+
+# --------------------------------------------------------------------------------------- T = 0 identity
+@dataclass
+class Departure:
+    """Where a drafted answer first left target-only decoding, and the target's top-2 margin there."""
+
+    prompt: int
+    position: int
+    margin: Optional[float]  # top-1 − top-2 log-probability of the target there (a logit difference)
+    tie: bool
+
+    def line(self) -> str:
+        kind = "a numerical tie" if self.tie else "NOT a tie: the verifier is inexact"
+        return f"prompt {self.prompt}, token {self.position}: margin {self.margin:.3g} ({kind})"
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """The first index where two answers differ (a shorter one differing at its end), None if identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_margin(server: LlamaServer, context: Sequence[int]) -> Optional[float]:
+    """The target's top-1 − top-2 log-probability at the token after `context`, from a target-only server."""
+    reply = server.complete(context, 1, n_probs=2)
+    top = reply["completion_probabilities"][0].get("top_logprobs") or []
+    return top[0]["logprob"] - top[1]["logprob"] if len(top) >= 2 else None
+
+
+def departure(i: int, prompt: Sequence[int], alone: Sequence[int], drafted: Sequence[int], target: LlamaServer,
+              outtype: str) -> Optional[Departure]:
+    at = first_difference(alone, drafted)
+    if at is None:
+        return None
+    margin = top2_margin(target, list(prompt) + list(alone[:at]))
+    return Departure(i, at, margin, margin is not None and margin <= TIE_MARGIN.get(outtype, TIE_MARGIN["f32"]))
+
+
+@dataclass
+class ArmResult:
+    """One cell of the llama.cpp arm: the same prompts without and with the drafter, alternating."""
+
+    k: int
+    temperature: float
+    prompts: int
+    tokens: int
+    alone_tokens_per_s: float
+    drafted_tokens_per_s: float
+    speedup_median: float
+    speedup_range: Optional[float]
+    alpha: float
+    tau: float
+    drafted: int
+    accepted: int
+    predicted_speedup: Optional[float] = None
+    identical: Optional[int] = None  # T = 0: answers identical to target-only decoding
+    departures: List[dict] = field(default_factory=list)
+
+
+def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Sequence[Sequence[int]], tokens: int,
+                 temperature: float = 0.0, threads: int = 1, outtype: str = "f32",
+                 calibration: Optional[Calibration] = None, log=print) -> ArmResult:
+    """Both servers up (idle, a server does not spin), prompts sent to each in turn: target-only, then drafted, so a
+    slow spell hits both arms of a prompt. At T = 0 every answer must equal target-only decoding, or depart at a tie."""
+    alone, drafted, ratios, departures = [], [], [], []
+    with LlamaServer(target, threads=threads) as base, \
+            LlamaServer(target, draft, spec_type, n_max=k, p_min=0.0, threads=threads) as spec:
+        for i, p in enumerate(prompts):
+            a, d = answer(base, p, tokens, temperature, seed=i), answer(spec, p, tokens, temperature, seed=i)
+            alone.append(a)
+            drafted.append(d)
+            ratios.append((len(d.tokens) / d.ms) / (len(a.tokens) / a.ms))
+            if temperature == 0:
+                found = departure(i, p, a.tokens, d.tokens, base, outtype)
+                if found is not None:
+                    departures.append(found)
+                    log(f"  departs at {found.line()}")
+    drafts, accepted = sum(d.drafted for d in drafted), sum(d.accepted for d in drafted)
+    rate = lambda answers: 1000 * sum(len(x.tokens) for x in answers) / sum(x.ms for x in answers)  # noqa: E731
+    result = ArmResult(
+        k, temperature, len(prompts), tokens, rate(alone), rate(drafted), statistics.median_low(ratios),
+        max(ratios) - min(ratios) if len(ratios) > 1 else None, accepted / max(drafts, 1),
+        sum(len(d.tokens) for d in drafted) / sum(d.steps for d in drafted), drafts, accepted,
+        None if calibration is None else calibration.predicted(k),
+        None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])
+    wrong = [x for x in departures if not x.tie]
+    if wrong:
+        raise InexactVerifier(f"llama.cpp at k = {k}: {len(wrong)} answer(s) departed from target-only decoding at a "
+                              f"clear margin, first at {wrong[0].line()}")
+    return result
+
+
+class InexactVerifier(SpecdrafterError):
+    """A T = 0 answer departed from target-only decoding where the target's choice was clear."""

@@ -1,0 +1,241 @@
+"""Serve a trained drafter in llama.cpp, with the block length that pays here, or say plainly that none does.
+
+    specdrafter-serve DRAFTER [--target-gguf T.gguf] [--k N] [--port 8080] [--threads 1] [--plan-only]
+    python launch/serve_llamacpp.py DRAFTER ...                                                   (the same)
+
+DRAFTER is a training checkpoint or run (exported to GGUF first, beside it, once), an export folder holding
+`draft.gguf` (`launch/export.py --format gguf`), or a drafter GGUF. The target is the one the drafter's recipe names
+(converted to GGUF once, into the cache) unless --target-gguf gives one.
+
+Before serving, the drafter is measured in llama.cpp on this machine (eval/llamacpp.py: v(n) with llama-bench, then
+the drafter at n_max = 1 and at the largest block on MT-Bench prompts at T = 0) and the cost model picks k. The
+measurement is cached under <cache>/llama.cpp/plans/, keyed by the two GGUF files and the thread count: a rerun
+serves at once. When no k is predicted to pay (speedup < 1 + the timing noise), the target is served without the
+drafter and the reason printed; --k N serves the drafter anyway. llama-server runs in the foreground until Ctrl-C,
+and no server outlives the command (a failed start, Ctrl-C, SIGTERM).
+
+Bad input, one line each: a drafter kind llama.cpp cannot serve, a target GGUF of another model (its vocabulary or
+width differs from what the drafter was trained on), --k above the drafter's block, a port in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from specdrafter.core import llamacpp
+from specdrafter.core.cache import cache_dir
+from specdrafter.core.io import SpecdrafterError, atomic_write_json
+from specdrafter.data.assets import load_prompt_set
+from specdrafter.data.chat import user_prompt_ids
+from specdrafter.eval.llamacpp import Calibration, calibrate
+from specdrafter.export.formats import export
+from specdrafter.export.gguf import DRAFT_FILE, read_gguf
+from specdrafter.export.source import find_source, target_of
+from specdrafter.inference.llama_server import LlamaServer, port_in_use
+
+MAX_K = 8  # the longest chain an EAGLE-3 head or a draft model is planned with
+PLAN_PROMPTS, PLAN_TOKENS = 6, 64  # MT-Bench prompts × tokens each, per calibration arm
+SPEC_TYPES = {"eagle3": "draft-eagle3"}  # GGUF architecture → --spec-type, beside the block drafters' (see spec_type)
+
+
+@dataclass
+class Drafter:
+    """A drafter GGUF and what serving it needs."""
+
+    gguf: Path
+    spec_type: str
+    max_k: int
+    facts: dict  # read_gguf's
+    target_folder: Optional[Path]  # the target's HF folder, where the recipe names one this machine has
+
+
+def spec_type(facts: dict) -> str:
+    """llama-server's --spec-type for a drafter GGUF: its architecture (DSpark is DFlash's, plus a Markov head)."""
+    if facts["arch"] == "dflash":
+        return "draft-dspark" if any("markov" in name for name in facts["tensors"]) else "draft-dflash"
+    return SPEC_TYPES.get(facts["arch"], "draft")
+
+
+def longest_block(facts: dict, spec: str) -> int:
+    """The most draft tokens one step can take: a block drafter's block (DFlash's anchor is not a draft)."""
+    block = facts["fields"].get("dflash.block_size")
+    if block is None:
+        return MAX_K
+    anchor = facts["fields"].get("dflash.sample_from_anchor", True)
+    return int(block) if spec == "draft-dspark" and anchor else int(block) - 1
+
+
+def resolve_drafter(path: Path) -> Drafter:
+    """DRAFTER as a GGUF with its facts (a checkpoint is exported first, once)."""
+    if path.is_dir() and not (path / DRAFT_FILE).is_file():
+        path = export_checkpoint(path)
+    gguf = path / DRAFT_FILE if path.is_dir() else path
+    if not gguf.is_file():
+        raise SpecdrafterError(f"{str(path)!r} is not a drafter GGUF, an export folder with {DRAFT_FILE}, "
+                               "or a checkpoint")
+    facts = read_gguf(gguf)
+    spec = spec_type(facts)
+    recipe = gguf.parent / "recipe.yaml"
+    folder = target_folder(OmegaConf.load(recipe)) if recipe.is_file() else None
+    return Drafter(gguf, spec, longest_block(facts, spec), facts, folder)
+
+
+def export_checkpoint(path: Path) -> Path:
+    """The GGUF export of the newest checkpoint at `path`, written beside it once."""
+    src = find_source(path)
+    out = src.drafter.parent / "gguf"
+    if not (out / DRAFT_FILE).is_file():
+        print(f"exporting {src.drafter.parent} to GGUF ({out})", flush=True)
+        export(src.drafter.parent, "gguf", out)
+    return out
+
+
+def target_folder(recipe) -> Optional[Path]:
+    return target_of(recipe).folder
+
+
+def target_gguf(folder: Path, outtype: str = "f32") -> Path:
+    """The target converted once into the cache, keyed by its config and weight files."""
+    key = hashlib.sha256()
+    for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+        key.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    out = cache_dir() / "llama.cpp" / "targets" / f"{folder.name}-{outtype}-{key.hexdigest()[:12]}.gguf"
+    if not out.is_file():
+        print(f"converting the target {folder.name} to GGUF ({outtype}) with llama.cpp's converter", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        llamacpp.convert(folder, out, outtype=outtype)
+    return out
+
+
+def check_pair(drafter: Drafter, target: Path) -> dict:
+    """The target GGUF is the model the drafter was trained for: the same vocabulary, and for a head or a block
+    drafter the width of the features it reads. Returns the target's facts."""
+    t, d = read_gguf(target), drafter.facts
+    if d["vocab_size"] and t["vocab_size"] and d["vocab_size"] != t["vocab_size"]:
+        raise SpecdrafterError(f"the target GGUF has a vocabulary of {t['vocab_size']} tokens and the drafter one of "
+                               f"{d['vocab_size']}: not the target it was trained for")
+    width = t["fields"].get(f"{t['arch']}.embedding_length")
+    reads = d["fields"].get(f"{d['arch']}.target_hidden_size")
+    if reads is not None and width is not None and int(reads) != int(width):
+        raise SpecdrafterError(f"the target GGUF is {width} wide and the drafter reads features {reads} wide: not the "
+                               "target it was trained for")
+    return t
+
+
+def plan_prompts(folder: Optional[Path]) -> List[List[int]]:
+    """MT-Bench's first PLAN_PROMPTS prompts in the target's chat template (its tokenizer from its HF folder)."""
+    if folder is None:
+        raise SpecdrafterError("the drafter's recipe names no target folder on this machine, so no prompts can be laid "
+                               "out to measure it: give the target with --target-dir")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return [user_prompt_ids(tokenizer, r["turns"][0]) for r in load_prompt_set("mtbench")[-PLAN_PROMPTS:]]
+
+
+def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> Calibration:
+    """The drafter's calibration on this machine, cached by the two files and the thread count."""
+    key = hashlib.sha256()
+    for f in (target, drafter.gguf):
+        key.update(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    key.update(f"threads={threads}:{llamacpp.SDIST.version}".encode())
+    cached = cache_dir() / "llama.cpp" / "plans" / f"{key.hexdigest()[:16]}.json"
+    if cached.is_file() and not fresh:
+        try:
+            return Calibration.from_json(json.loads(cached.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again
+    print(f"measuring {drafter.spec_type} in llama.cpp on this machine ({threads} thread(s); cached once done)",
+          flush=True)
+    found = calibrate(target, drafter.gguf, drafter.spec_type, drafter.max_k, plan_prompts(drafter.target_folder),
+                      PLAN_TOKENS, threads)
+    atomic_write_json(cached, found.to_json())
+    return found
+
+
+def advice(cal: Calibration) -> List[str]:
+    """The table of predicted speedups and the recommendation, as printed."""
+    lines = ["k  tokens/step  c      v(k+1)  predicted"]
+    lines += [f"{r['k']:<2} {r['tokens_per_step']:<12} {r['c']:<6} {r['v']:<7} {r['predicted_speedup']}×"
+              for r in cal.table()]
+    return lines
+
+
+def serve(server: LlamaServer) -> None:
+    """Run until Ctrl-C or SIGTERM; the server is stopped either way."""
+    with server:
+        print(f"llama-server is serving on {server.url} (Ctrl-C stops it)", flush=True)
+        while server.alive():
+            time.sleep(0.5)
+        raise SpecdrafterError(f"llama-server exited: {server.last_log_line()}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="specdrafter-serve", description=__doc__.split("\n")[0])
+    p.add_argument("drafter", type=Path, help="a checkpoint or run, an export folder with draft.gguf, or a GGUF")
+    p.add_argument("--target-gguf", type=Path, help="the target as GGUF (default: the recipe's target, converted)")
+    p.add_argument("--target-dir", type=Path, help="the target's HF folder, when the recipe's is not on this machine")
+    p.add_argument("--k", type=int, help="serve the drafter at this --spec-draft-n-max, whatever the plan says")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (1 on a shared machine)")
+    p.add_argument("--replan", action="store_true", help="measure again instead of using the cached plan")
+    p.add_argument("--plan-only", action="store_true", help="print the plan and the advice, serve nothing")
+    a = p.parse_args(argv)
+    try:
+        run(a)
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        sys.exit(130)
+
+
+def run(a) -> Optional[Calibration]:
+    drafter = resolve_drafter(a.drafter)
+    if a.target_dir is not None:
+        drafter.target_folder = a.target_dir
+    if a.k is not None and not 1 <= a.k <= drafter.max_k:
+        raise SpecdrafterError(f"--k {a.k}: this {drafter.spec_type} drafter drafts at most {drafter.max_k} tokens "
+                               "a step")
+    if a.target_gguf is None and drafter.target_folder is None:
+        raise SpecdrafterError("the drafter's target is not on this machine: give it with --target-gguf (and "
+                               "--target-dir for its tokenizer)")
+    target = a.target_gguf or target_gguf(drafter.target_folder)
+    check_pair(drafter, target)
+    if not a.plan_only and port_in_use(a.port):  # before minutes of measuring
+        raise SpecdrafterError(f"port {a.port} is in use (another server?): choose another with --port")
+    k, cal = a.k, None
+    if k is None:
+        cal = plan(drafter, target, a.threads, a.replan)
+        print("\n".join(advice(cal)))
+        choice = cal.choose()
+        if choice.pays:
+            k = choice.k
+            print(f"serving with the drafter at --spec-draft-n-max {k}: predicted {choice.predicted:.2f}× over the "
+                  "target alone", flush=True)
+        else:
+            needed = cal.alpha_needed(1 + choice.noise)
+            would = (f"at these costs it would take an acceptance of {needed:.2f} per draft" if needed else
+                     "no acceptance would make it pay at these costs")
+            print(f"no k pays here: the best, k = {choice.k}, is predicted {choice.predicted:.2f}× (timing noise "
+                  f"±{choice.noise:.0%}), so the target is served without the drafter; {would} (this drafter: "
+                  f"{cal.reach[0]:.2f} at the first). Train it longer, or pass --k N to serve it anyway.", flush=True)
+    if a.plan_only:
+        return cal
+    if k is None:
+        serve(LlamaServer(target, threads=a.threads, port=a.port))
+    else:
+        serve(LlamaServer(target, drafter.gguf, drafter.spec_type, n_max=k, p_min=0.0, threads=a.threads, port=a.port))
+    return cal
+
+
+if __name__ == "__main__":
+    main()
