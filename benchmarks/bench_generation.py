@@ -1,32 +1,49 @@
 """Benchmark: how fast the data job turns prompts into target tokens, against the teacher-forced ceiling.
 
     python benchmarks/bench_generation.py recipes/smollm2-135m-data.yaml [key=value ...] [--prompts 32] [--max-new-tokens 128]
+        [--llama-threads N] [--llama-parallel N] [--gguf TARGET.gguf] [--no-llama-server]
 
 Three arms on the same chat-templated ShareGPT prompts, in one process, interleaved (arm order rotates every
 repeat), median of the repeats:
-  ours        the data job's in-process engine (`specdrafter.data.regenerate.sample_responses`: length-bucketed batches,
-              finished rows leave the batch, top-p from a top-64 cut) at the recipe's temperature / top-p
-  hf_generate transformers' `model.generate` on the same batches (what the data job used before)
-  forward     the teacher-forced forward of the backbone over prompt + response sequences of the same lengths
-              (`data.responses: dataset` pays only this): the ceiling regeneration is measured against
+  ours         the data job's in-process engine (`specdrafter.data.regenerate.sample_responses`: length-bucketed
+               batches, finished rows leave the batch, top-p from a top-64 cut) at the recipe's temperature / top-p
+  hf_generate  transformers' `model.generate` on the same batches (what the data job used before)
+  forward      the teacher-forced forward of the backbone over prompt + response sequences of the same lengths
+               (`data.responses: dataset` pays only this): the ceiling regeneration is measured against
+and, once, after them (its threads spin while they wait, so it never runs beside torch):
+  llama_server the data job's `data.engine: server` path through llama.cpp's llama-server: the target converted to
+               GGUF by llama.cpp's converter in the recipe's dtype (or --gguf), served with --llama-threads threads
+               (default: every core of this machine; run it alone) and --llama-parallel slots (default: the batch
+               size), the same prompts as chat messages and the same sampling, sent by `ServerEngine` (probe
+               excluded from the time) with as many requests in flight as slots. Skipped when llama.cpp is not
+               built (`specdrafter-llamacpp install`) or with --no-llama-server.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import List, Optional
 
 import torch
 from transformers import GenerationConfig
 
+from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.data.assets import load_prompt_set, load_target
+from specdrafter.data.assets import load_prompt_set, load_target, resolve_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.data.regenerate import generate_responses
+from specdrafter.data.server import ServerEngine
+from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # the recipe's target.dtype → --outtype
 
 
 def hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, batch_size):
@@ -60,6 +77,41 @@ def forward(model, sequences, batch_size):
         model.model(input_ids=ids, attention_mask=mask)
 
 
+def llama_server_arm(model_dir: str, tokenizer, texts: List[str], max_prompt_tokens: int, max_new_tokens: int,
+                     temperature: float, top_p: float, dtype: str, threads: int, parallel: int,
+                     gguf: Optional[str] = None) -> dict:
+    """One timed run of the data job's server engine against a llama-server of the target: tokens, seconds, tok/s
+    and what it used. The GGUF is converted into a temporary folder unless `gguf` names one."""
+    messages = [[{"role": "user", "content": t}] for t in texts]
+    with tempfile.TemporaryDirectory(prefix="bench-generation-") as tmp:
+        if gguf is None:
+            if not Path(model_dir).is_dir():
+                raise SpecdrafterError(f"the llama_server arm converts a local target folder; {model_dir!r} is "
+                                       "not one: pass --gguf TARGET.gguf, or --no-llama-server")
+            path = Path(tmp) / "target.gguf"
+            start = time.perf_counter()
+            llamacpp.convert(Path(model_dir), path, outtype=GGUF_TYPES[dtype])
+            print(f"llama_server: {model_dir} converted to {GGUF_TYPES[dtype]} GGUF in "
+                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+        else:
+            path = Path(gguf)
+        context = parallel * (max_prompt_tokens + max_new_tokens + 8)  # every slot holds its longest conversation
+        with LlamaServer(path, threads=threads, parallel=parallel, context=context, extra=["--jinja"]) as server:
+            engine = ServerEngine([server.url], parallel, tokenizer)
+            facts = engine.probe(temperature, top_p)["servers"][0]
+            engine.respond(messages[:2], 4, temperature, top_p, seed=0)  # warm-up
+            start = time.perf_counter()
+            responses = engine.respond(messages, max_new_tokens, temperature, top_p, seed=0)
+            seconds = time.perf_counter() - start
+    tokens = sum(map(len, responses))
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+            "threads": threads, "parallel": parallel, "context": context, "concurrency": parallel,
+            "gguf": str(gguf) if gguf else f"converted from {model_dir} ({GGUF_TYPES[dtype]})",
+            "llama_cpp": f"{llamacpp.SDIST.name}=={llamacpp.SDIST.version}",
+            "token_ids_from_server": facts["token_ids_from_server"], "request_fields": facts["extra_fields"],
+            "skipped_conversations": engine.counters["skipped"]}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -70,6 +122,12 @@ def main(argv=None):
     parser.add_argument("--forward-batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--no-llama-server", action="store_true", help="skip the llama_server arm")
+    parser.add_argument("--llama-threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="llama-server's -t (default: every core of this machine)")
+    parser.add_argument("--llama-parallel", type=int, default=None,
+                        help="llama-server's --parallel and the requests in flight (default: the batch size)")
+    parser.add_argument("--gguf", default=None, help="serve this target GGUF instead of converting the target")
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
@@ -79,8 +137,8 @@ def main(argv=None):
     d = cfg.data
     batch_size = args.batch_size or d.batch_size
     texts = [r["turns"][0] for r in load_prompt_set(d.prompts)[: args.prompts * 4]]
-    prompts = [user_prompt_ids(tokenizer, t) for t in texts]
-    prompts = [p for p in prompts if len(p) <= d.max_prompt_tokens][: args.prompts]
+    kept = [(t, p) for t, p in ((t, user_prompt_ids(tokenizer, t)) for t in texts) if len(p) <= d.max_prompt_tokens]
+    texts, prompts = [t for t, _ in kept][: args.prompts], [p for _, p in kept][: args.prompts]
     generator = torch.Generator().manual_seed(0)
     arms = {
         "ours": lambda: generate_responses(model, tokenizer, prompts, args.max_new_tokens, d.temperature, d.top_p,
@@ -113,13 +171,29 @@ def main(argv=None):
               "ours_vs_forward": round(summary["ours"] / summary["forward"], 3),
               "hf_generate_vs_forward": round(summary["hf_generate"] / summary["forward"], 3),
               "ours_vs_hf_generate": round(summary["ours"] / summary["hf_generate"], 3)}
+    if args.no_llama_server or not llamacpp.installed():
+        result["llama_server"] = {"skipped": "--no-llama-server" if args.no_llama_server else
+                                  f"llama.cpp is not built ({llamacpp.INSTALL_COMMAND})"}
+    else:
+        try:
+            arm = llama_server_arm(resolve_target(cfg.target.model), tokenizer, texts, d.max_prompt_tokens,
+                                   args.max_new_tokens, d.temperature, d.top_p, cfg.target.dtype.value,
+                                   args.llama_threads, args.llama_parallel or min(batch_size, len(prompts)), args.gguf)
+        except SpecdrafterError as e:
+            sys.exit(f"error: {e}")
+        result["llama_server"] = arm
+        summary["llama_server"] = arm["tokens_per_s"]
+        result["ours_vs_llama_server"] = round(summary["ours"] / arm["tokens_per_s"], 3)
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"regeneration: ours {summary['ours']:.1f} tok/s, hf generate {summary['hf_generate']:.1f} tok/s; "
-          f"teacher-forced forward {summary['forward']:.1f} tok/s → ours at {100 * result['ours_vs_forward']:.0f}% "
-          f"of the forward (hf generate {100 * result['hf_generate_vs_forward']:.0f}%)")
+    served = (f", llama-server {summary['llama_server']:.1f} tok/s ({args.llama_threads} threads, "
+              f"{result['llama_server']['parallel']} slots)" if "llama_server" in summary else "")
+    print(f"regeneration: ours {summary['ours']:.1f} tok/s ({result['threads']} threads), hf generate "
+          f"{summary['hf_generate']:.1f} tok/s{served}; teacher-forced forward {summary['forward']:.1f} tok/s → ours "
+          f"at {100 * result['ours_vs_forward']:.0f}% of the forward (hf generate "
+          f"{100 * result['hf_generate_vs_forward']:.0f}%)")
 
 
 if __name__ == "__main__":

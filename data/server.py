@@ -1,20 +1,37 @@
 """Regeneration through serving engines (`data.engine: server`): the target's answers come from OpenAI-compatible
-chat-completions servers (vLLM, SGLang, `transformers serve`) instead of `model.generate` in this process.
+chat-completions servers (vLLM, SGLang, llama.cpp's llama-server, `transformers serve`) instead of `model.generate`
+in this process.
 
 `ServerEngine.probe` runs once before the job and refuses servers that would write wrong data: none reachable,
 a served model whose tokenizer or chat template is not the target's, or a server that answers greedily when asked
 to sample. `ServerEngine.respond` then sends one request per conversation, `concurrency` in flight over all
 servers, retries failures with exponential backoff and drops a server that keeps failing.
 
-Request fields, per engine (the probe tries them in this order and keeps what each server accepts):
+Request fields, per engine (the probe tries them in this order and keeps what each server accepts; llama-server is
+recognised by its /v1/models, which says `"owned_by": "llamacpp"`, and gets its own fields only):
 
     token ids   vLLM, SGLang        "return_token_ids": true        -> choices[0].token_ids
                 older vLLM          "logprobs": true, "return_tokens_as_token_ids": true
                                                                     -> choices[0].logprobs.content[i].token "token_id:N"
-                transformers serve  neither (it answers 422 to unknown fields): the text is re-tokenised here
+                llama-server        "return_tokens": true, "verbose": true
+                                                                    -> __verbose.tokens (the sampled ids, EOS included)
+                transformers serve  none (it answers 422 to unknown fields): the text is re-tokenised here
+    prompt ids  llama-server        POST /apply-template, then /tokenize (add_special, parse_special): the ids its
+                                    chat path feeds the model, compared with the target's chat template
     sampling    vLLM, SGLang        "top_k": -1, "min_p": 0, "repetition_penalty": 1
+                llama-server        "samplers": ["temperature", "top_p"], "top_k": 0, "min_p": 0, "typical_p": 1,
+                                    "repeat_penalty": 1, "reasoning_format": "none"
                 transformers serve  "generation_config": "{\"do_sample\": true, \"top_k\": 0}"
     always      "model" (the id /v1/models reports), "messages", "max_tokens", "temperature", "top_p", "seed"
+
+llama-server's own sampling chain is penalties, DRY, top-n-sigma, top-k 40, typical, top-p, min-p 0.05, XTC,
+temperature: top-p cut before the temperature, and min-p and top-k 40 on top. Its `samplers` field replaces the
+chain, so the two listed are all it runs, in the in-process engine's order (softmax(logits / T), then the top-p
+nucleus, then a draw); T = 0 is its greedy argmax. Its `__verbose.tokens` are the ids it sampled, so nothing is
+re-tokenised; `reasoning_format: none` keeps a reply's text as generated (llama-server would otherwise move a
+`<think>` block out of `content`, and the probe compares the text with the ids). It stops on EOS (returned as the
+last id) or max_tokens; no stop strings are sent. A reply longer than a slot's context (`-c` / `--parallel`) is cut
+there and reported as "length".
 
 `transformers serve` runs one request at a time (its --continuous-batching batches, but keeps the first request's
 sampling settings for every later one: the probe refuses it), seeds torch's global generator as each request
@@ -48,6 +65,14 @@ TOKEN_ID_FIELDS = {"token_ids": {"return_token_ids": True},
 # vLLM and SGLang fill the sampling fields a request leaves out from the model's generation_config.json (a top_k of
 # 20, a repetition penalty, ...); the in-process engine samples with temperature and top-p alone, so say so.
 PLAIN_SAMPLING = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+LLAMA_SERVER = "llama-server"  # Server.engine of a server whose /v1/models says it is owned by "llamacpp"
+# llama-server keeps the ids it sampled when asked (return_tokens) and returns them from the chat endpoint only in its
+# debugging field __verbose (the OpenAI-shaped reply has no place for them).
+LLAMA_SERVER_TOKEN_IDS = {"tokens": {"return_tokens": True, "verbose": True}}
+# Sent to llama-server with every request (module docstring): the chain reduced to temperature then top-p, the other
+# samplers' knobs at their "off" values as well, so that a server ignoring `samplers` still samples nearly plainly.
+LLAMA_SERVER_FIELDS = {"samplers": ["temperature", "top_p"], "top_k": 0, "min_p": 0.0, "typical_p": 1.0,
+                       "repeat_penalty": 1.0, "reasoning_format": "none"}
 # `transformers serve` starts from the model's generation config, whose do_sample is usually False, and then answers
 # greedily at any temperature; this field replaces that config (top_k=0: no top-k cut, as above).
 TRANSFORMERS_SAMPLING = {"generation_config": json.dumps({"do_sample": True, "top_k": 0})}
@@ -84,8 +109,9 @@ class Reply:
 class Server:
     url: str  # base URL, without /v1
     model: str = ""  # the id its /v1/models reports, sent as "model"
+    engine: str = "openai"  # LLAMA_SERVER, or any other OpenAI-compatible server
     fields: Dict[str, object] = field(default_factory=dict)  # extra request fields the probe settled on
-    token_ids: Optional[str] = None  # "token_ids" / "logprobs" (see TOKEN_ID_FIELDS), None = re-tokenised here
+    token_ids: Optional[str] = None  # a key of TOKEN_ID_FIELDS / LLAMA_SERVER_TOKEN_IDS; None = re-tokenised here
     failures: int = 0  # in a row
     in_flight: int = 0
     dropped: bool = False
@@ -113,12 +139,17 @@ def http_json(url: str, body: Optional[dict], timeout: float) -> dict:
 def parse_reply(payload: dict) -> Reply:
     try:
         choice = payload["choices"][0]
+        content = choice["message"].get("content") or ""
         ids = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("content")
         if ids is None and logprobs is not None and all(t["token"].startswith("token_id:") for t in logprobs):
             ids = [int(t["token"][len("token_id:"):]) for t in logprobs]
+        verbose = payload.get("__verbose")  # llama-server, asked with LLAMA_SERVER_TOKEN_IDS
+        if ids is None and isinstance(verbose, dict) and isinstance(verbose.get("tokens"), list) \
+                and (verbose["tokens"] or not content):  # [] beside text: return_tokens was not honoured
+            ids = [int(t) for t in verbose["tokens"]]
         usage = payload.get("usage") or {}
-        return Reply(choice["message"].get("content") or "", choice.get("finish_reason"), ids,
+        return Reply(content, choice.get("finish_reason"), ids,
                      payload.get("prompt_token_ids") or choice.get("prompt_token_ids"),
                      usage.get("prompt_tokens"), usage.get("completion_tokens"))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
@@ -176,8 +207,9 @@ class ServerEngine:
         for s in live:
             self._choose_token_ids(s)
             plain_samples = self._choose_sampling(s, temperature) if temperature > 0 else None
-            facts.append({"url": s.url, "model": s.model, "token_ids_from_server": s.token_ids is not None,
-                          "extra_fields": dict(s.fields), "plain_requests_sample": plain_samples})
+            facts.append({"url": s.url, "model": s.model, "engine": s.engine,
+                          "token_ids_from_server": s.token_ids is not None, "extra_fields": dict(s.fields),
+                          "plain_requests_sample": plain_samples})
         self._probed = True
         return {"engine": "server", "servers": facts, "servers_unreachable": [s.url for s in self.servers if s.dropped]}
 
@@ -186,12 +218,15 @@ class ServerEngine:
         answer = self._retrying(lambda: http_json(f"{s.url}/v1/models", None, min(self.timeout_s, 30)))
         try:
             ids = [m["id"] for m in answer["data"]]
-        except (KeyError, TypeError) as e:
+            owners = {m["id"]: m.get("owned_by") for m in answer["data"]}
+        except (KeyError, TypeError, AttributeError) as e:
             raise RequestFailed(f"/v1/models answered without model ids ({type(e).__name__})") from None
         target = str(self.tokenizer.name_or_path).rstrip("/").rsplit("/", 1)[-1].lower()
-        named = [m for m in ids if m.rstrip("/").rsplit("/", 1)[-1].lower() == target]
+        # llama-server names a model by its file, e.g. /models/SmolLM2-135M-Instruct.gguf
+        named = [m for m in ids if m.rstrip("/").rsplit("/", 1)[-1].lower().removesuffix(".gguf") == target]
         if len(ids) == 1 or len(named) == 1:
             chosen = ids[0] if len(ids) == 1 else named[0]
+            s.engine = LLAMA_SERVER if owners[chosen] == "llamacpp" else "openai"
             if chosen not in named:  # the tokenizer check below decides; a different name alone proves nothing
                 log.warning(f"{s.url} serves {chosen!r}, the target's tokenizer is {self.tokenizer.name_or_path!r}")
             return chosen
@@ -219,8 +254,13 @@ class ServerEngine:
 
     def _choose_token_ids(self, s: Server) -> None:
         """Ask for a short greedy reply with each way of getting token ids until one works (or none does: the text
-        will be re-tokenised), then check the reply against the target's tokenizer and chat template."""
-        for how, fields in [*TOKEN_ID_FIELDS.items(), (None, {})]:
+        will be re-tokenised), then check the reply against the target's tokenizer and chat template. A llama-server
+        is asked its own way only, with LLAMA_SERVER_FIELDS in every request, at T = 0 too (one request shape at
+        every temperature; at T = 0 its temperature sampler keeps the argmax alone)."""
+        llama = s.engine == LLAMA_SERVER
+        base = LLAMA_SERVER_FIELDS if llama else {}
+        for how, fields in [*(LLAMA_SERVER_TOKEN_IDS if llama else TOKEN_ID_FIELDS).items(), (None, {})]:
+            fields = {**fields, **base}
             try:
                 reply = self._probe_request(s, PROBE_MESSAGES, PROBE_TOKENS, fields, 0.0, 0)
             except RequestRejected as e:
@@ -231,10 +271,28 @@ class ServerEngine:
                 break
         else:
             raise SpecdrafterError(f"{s.url} refused a plain chat-completions request for {s.model!r}: {rejection}")
+        if llama and reply.prompt_token_ids is None:
+            reply.prompt_token_ids = self._llama_server_prompt_ids(s, PROBE_MESSAGES)
         problem = self._tokenizer_problem(reply)
         if problem:
             raise SpecdrafterError(f"{s.url} serves {s.model!r}, whose tokenizer or chat template is not the target's "
                                    f"({self.tokenizer.name_or_path}): {problem}")
+
+    def _llama_server_prompt_ids(self, s: Server, messages: List[dict]) -> Optional[List[int]]:
+        """The ids llama-server's chat endpoint feeds its model for `messages`: its chat template applied
+        (/apply-template), then tokenised as that endpoint does (special tokens added and parsed). None if either
+        endpoint fails: the prompt's length (usage) is then all the probe compares."""
+        timeout = min(self.timeout_s, 30)
+        try:
+            prompt = self._retrying(lambda: http_json(f"{s.url}/apply-template", {"messages": messages},
+                                                      timeout))["prompt"]
+            ids = self._retrying(lambda: http_json(f"{s.url}/tokenize", {"content": prompt, "add_special": True,
+                                                                         "parse_special": True}, timeout))["tokens"]
+            return [int(t) for t in ids]
+        except (RequestFailed, RequestRejected, KeyError, TypeError, ValueError) as e:
+            log.warning(f"{s.url}: llama-server's prompt ids unavailable ({type(e).__name__}: {e}); comparing the "
+                        "probe prompt's length only")
+            return None
 
     def _tokenizer_problem(self, reply: Reply) -> Optional[str]:
         """Why the probe reply shows a tokenizer or chat template other than the target's (None if it does not)."""
@@ -261,8 +319,9 @@ class ServerEngine:
                 return "the chat template does not lay the re-tokenised reply out as those tokens"
         return None
 
-    def _choose_sampling(self, s: Server, temperature: float) -> bool:
-        """Find request fields with which `s` really samples. Returns whether it samples without extra fields.
+    def _choose_sampling(self, s: Server, temperature: float) -> Optional[bool]:
+        """Find request fields with which `s` really samples. Returns whether it samples without extra fields (None
+        for a llama-server, which is only ever asked with its own, LLAMA_SERVER_FIELDS).
 
         A few requests with different seeds must not all return the same text. They run at temperature >= 1 with
         top_p 1: the question is whether the server samples at all, and at a low temperature a large model could
@@ -270,18 +329,23 @@ class ServerEngine:
         base = dict(s.fields)
         temperature = max(temperature, 1.0)
         plain_samples = None
-        for extra in (PLAIN_SAMPLING, {}, TRANSFORMERS_SAMPLING):
+        llama = s.engine == LLAMA_SERVER  # its fields are in `base` already; they are its only way to sample plainly
+        for extra in ({},) if llama else (PLAIN_SAMPLING, {}, TRANSFORMERS_SAMPLING):
             fields = {**base, **extra}
             try:
                 texts = {self._probe_request(s, SAMPLING_MESSAGES, SAMPLING_TOKENS, fields, temperature, seed).content
                          for seed in range(SAMPLING_REQUESTS)}
             except RequestRejected:
                 continue
-            if extra is not TRANSFORMERS_SAMPLING:
+            if extra is not TRANSFORMERS_SAMPLING and not llama:
                 plain_samples = len(texts) > 1
             if len(texts) > 1:
                 s.fields = fields
-                return bool(plain_samples)
+                return None if llama else bool(plain_samples)
+        if llama:
+            raise SpecdrafterError(f"{s.url} (llama-server) ignores the sampling settings: {SAMPLING_REQUESTS} "
+                                   f"requests at temperature {temperature} with {LLAMA_SERVER_FIELDS['samplers']} "
+                                   "returned the same text")
         raise SpecdrafterError(f"{s.url} ignores the sampling settings: {SAMPLING_REQUESTS} requests at temperature "
                                f"{temperature} returned the same text, also with {TRANSFORMERS_SAMPLING}; with "
                                "`transformers serve`, drop --continuous-batching (it keeps the first request's "
