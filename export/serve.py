@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
@@ -63,7 +63,7 @@ def spec_type(facts: dict) -> str:
     """llama-server's --spec-type for a drafter GGUF: its architecture (DSpark is DFlash's, plus a Markov head)."""
     if facts["arch"] == "dflash":
         return "draft-dspark" if any("markov" in name for name in facts["tensors"]) else "draft-dflash"
-    return SPEC_TYPES.get(facts["arch"], "draft")
+    return SPEC_TYPES.get(facts["arch"], "draft-simple")  # a draft model of any architecture
 
 
 def longest_block(facts: dict, spec: str) -> int:
@@ -77,8 +77,9 @@ def longest_block(facts: dict, spec: str) -> int:
 
 def resolve_drafter(path: Path) -> Drafter:
     """DRAFTER as a GGUF with its facts (a checkpoint is exported first, once)."""
+    folder = None
     if path.is_dir() and not (path / DRAFT_FILE).is_file():
-        path = export_checkpoint(path)
+        path, folder = export_checkpoint(path)
     gguf = path / DRAFT_FILE if path.is_dir() else path
     if not gguf.is_file():
         raise SpecdrafterError(f"{str(path)!r} is not a drafter GGUF, an export folder with {DRAFT_FILE}, "
@@ -86,18 +87,19 @@ def resolve_drafter(path: Path) -> Drafter:
     facts = read_gguf(gguf)
     spec = spec_type(facts)
     recipe = gguf.parent / "recipe.yaml"
-    folder = target_folder(OmegaConf.load(recipe)) if recipe.is_file() else None
+    if folder is None and recipe.is_file():  # an export's recipe names its target by Hub id or folder name
+        folder = target_folder(OmegaConf.load(recipe))
     return Drafter(gguf, spec, longest_block(facts, spec), facts, folder)
 
 
-def export_checkpoint(path: Path) -> Path:
-    """The GGUF export of the newest checkpoint at `path`, written beside it once."""
+def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
+    """The GGUF export of the newest checkpoint at `path`, written beside it once, and the target's folder."""
     src = find_source(path)
     out = src.drafter.parent / "gguf"
     if not (out / DRAFT_FILE).is_file():
         print(f"exporting {src.drafter.parent} to GGUF ({out})", flush=True)
         export(src.drafter.parent, "gguf", out)
-    return out
+    return out, target_folder(src.recipe)
 
 
 def target_folder(recipe) -> Optional[Path]:

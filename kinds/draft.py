@@ -58,7 +58,7 @@ class DraftModel(CausalDraft):
     title = "Draft model"
     launcher = "train_draft.py"
     recipe = "smollm2-135m-draft.yaml"
-    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model", llamacpp=LlamaCpp("draft", converts="hf-draft"))
+    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model", llamacpp=LlamaCpp("draft-simple", converts="hf-draft"))
     plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
 
     def recognises(self, config: dict) -> bool:

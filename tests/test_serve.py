@@ -1,0 +1,131 @@
+"""Serving in llama.cpp (export/serve.py, eval/llamacpp.py, inference/llama_server.py): the launcher measures a drafter
+in llama-server and says when no block length pays, serves until Ctrl-C and leaves no server behind, refuses bad input
+in one line; llama-server with each drafter family decodes as the target alone at T = 0. Needs the llama.cpp build."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import tiny_llama_config
+from transformers import LlamaForCausalLM
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.eval.llamacpp import first_difference, side_by_side
+from specdrafter.export.serve import main, resolve_drafter, target_gguf
+from specdrafter.inference.llama_server import LlamaServer, ServerDied, free_port
+
+pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
+
+
+def refusal(argv) -> str:
+    """The one line main() exits with (its SystemExit's message, which Python prints to stderr)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    line = str(e.value.code)
+    assert line.startswith("error: ") and "\n" not in line
+    return line
+
+
+def test_a_random_head_is_measured_and_not_served_since_no_k_pays(capsys, drafter_run_of):
+    """A random EAGLE-3 head accepts nothing: the plan says so, names the cause, and a rerun uses the cached plan."""
+    run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
+    main([str(run), "--plan-only"])
+    out = capsys.readouterr().out
+    assert "measuring draft-eagle3 in llama.cpp" in out and "no k pays here" in out
+    assert "served without the drafter" in out
+    main([str(run), "--plan-only"])
+    again = capsys.readouterr().out
+    assert "measuring" not in again and "no k pays here" in again
+
+
+def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of):
+    run = drafter_run_of("dspark")
+    port = free_port()
+    job = subprocess.Popen([sys.executable, "-m", "specdrafter.export.serve", str(run), "--k", "2", "--port",
+                            str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except OSError:
+            assert job.poll() is None, job.stderr.read()
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.5)
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == 130
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
+    left = subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
+
+
+def test_k_above_the_block_is_one_line(capsys, drafter_run_of):
+    line = refusal([str(drafter_run_of("dspark")), "--k", "9", "--plan-only"])
+    assert line == "error: --k 9: this draft-dspark drafter drafts at most 4 tokens a step"
+
+
+def test_a_port_in_use_is_one_line(capsys, drafter_run_of):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = refusal([str(drafter_run_of("dflash", "drafter.block.draft_vocab_size=0")), "--k", "2",
+                                "--port", str(port)])
+    assert line == f"error: port {port} is in use (another server?): choose another with --port"
+
+
+def test_a_target_gguf_of_another_model_is_one_line(capsys, tmp_path, drafter_run_of, smollm2_tokenizer):
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=6, hidden_size=32))
+    other.save_pretrained(tmp_path / "other")
+    smollm2_tokenizer.save_pretrained(tmp_path / "other")
+    line = refusal([str(drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")), "--k", "1",
+                            "--target-gguf", str(target_gguf(tmp_path / "other")), "--plan-only"])
+    assert line == ("error: the target GGUF is 32 wide and the drafter reads features 64 wide: not the target it was "
+                    "trained for")
+
+
+def test_a_kind_llamacpp_cannot_serve_is_one_line(capsys, drafter_run_of):
+    line = refusal([str(drafter_run_of("medusa")), "--plan-only"])
+    assert line.startswith("error: --format gguf: llama.cpp serves no drafter like")
+
+
+def test_a_server_that_dies_mid_run_is_one_line(drafter_run_of):
+    drafter = resolve_drafter(drafter_run_of("dspark"))
+    with LlamaServer(target_gguf(drafter.target_folder)) as server:
+        assert len(server.complete([100, 101, 102], 4)["tokens"]) == 4
+        server.process.kill()
+        server.process.wait()
+        with pytest.raises(ServerDied, match=r"^llama-server died \(exit -9\)") as e:
+            server.complete([100, 101, 102], 4)
+        assert "\n" not in str(e.value)
+
+
+def test_a_missing_gguf_is_one_line(tmp_path):
+    with pytest.raises(SpecdrafterError, match="does not exist"):
+        LlamaServer(tmp_path / "none.gguf").start()
+
+
+@pytest.mark.parametrize("kind, extra", [("dflash", ["drafter.block.draft_vocab_size=0"]), ("draft_model", [])])
+def test_each_family_decodes_in_llama_server_as_the_target_alone(drafter_run_of, kind, extra):
+    """EAGLE-3 and DSpark are checked in test_gguf.py; here DFlash and a draft model, through the eval arm, which
+    fails loudly on a departure at a clear margin. Random drafters: rejections and rollbacks run."""
+    drafter = resolve_drafter(drafter_run_of(kind, *extra))
+    prompts = [list(range(100 + 7 * i, 120 + 7 * i)) for i in range(3)]
+    arm = side_by_side(target_gguf(drafter.target_folder), drafter.gguf, drafter.spec_type, 3, prompts, 24,
+                       log=lambda _: None)
+    assert arm.drafted > 0 and arm.identical + len(arm.departures) == 3
+    assert all(d["tie"] for d in arm.departures)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
