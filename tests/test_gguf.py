@@ -3,12 +3,8 @@ reads the layers the drafter was trained on and keeps a pruned vocabulary, the k
 one line; and llama-server decodes with the converted drafter exactly as the target alone at T = 0. Needs the llama.cpp
 build (`specdrafter-llamacpp install`); skipped without it, except the refusals."""
 
-import json
 import shutil
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +13,7 @@ from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, read_gguf
+from specdrafter.inference.llama_server import LlamaServer
 
 REPO = Path(__file__).resolve().parents[1]
 BUILT = llamacpp.installed()
@@ -59,34 +56,10 @@ def test_a_kind_llamacpp_does_not_serve_is_one_line(tmp_path, drafter_run_of, ki
 
 
 # ----------------------------------------------------------------------------------------------- serving
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def greedy_completion(args: list, prompt: list, n: int) -> dict:
-    """llama-server started with `args`, one greedy /completion of `prompt` (token ids), stopped: its reply."""
-    port = free_port()
-    server = subprocess.Popen([str(llamacpp.binary("llama-server")), *args, "--port", str(port), "-t", "1", "-c", "512"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None and time.time() < deadline, "llama-server did not start"
-                time.sleep(0.2)
-        body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "return_tokens": True,
-                           "cache_prompt": False}).encode()
-        reply = urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
-                                                              {"Content-Type": "application/json"}), timeout=120)
-        return json.loads(reply.read())
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def greedy_completion(model: Path, prompt: list, n: int, **drafter) -> dict:
+    """llama-server serving `model` (with the drafter's keyword arguments), one greedy /completion of `prompt`."""
+    with LlamaServer(model, context=512, **drafter) as server:
+        return server.complete(prompt, n)
 
 
 @needs_llamacpp
@@ -98,9 +71,8 @@ def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, dra
     llamacpp.convert(gguf_target_dir, target_gguf)
     out = export(drafter_run_of(kind, "drafter.eagle.draft_vocab_size=0"), "gguf", tmp_path / kind)
     prompt = list(range(100, 120))
-    alone = greedy_completion(["-m", str(target_gguf)], prompt, 24)
-    drafted = greedy_completion(["-m", str(target_gguf), "-md", str(out / DRAFT_FILE), "--spec-type", spec_type,
-                                 "--spec-draft-n-max", "3"], prompt, 24)
+    alone = greedy_completion(target_gguf, prompt, 24)
+    drafted = greedy_completion(target_gguf, prompt, 24, draft=out / DRAFT_FILE, spec_type=spec_type, n_max=3)
     assert len(alone["tokens"]) == 24 and drafted["tokens"] == alone["tokens"]
     assert drafted["timings"]["draft_n"] > 0  # the drafter drafted
     shutil.rmtree(out)
