@@ -160,7 +160,7 @@ TINY = ["drafter.num_layers=1", "drafter.eagle.aux_layer_ids=[1,3,5]", "drafter.
 
 
 @pytest.fixture(scope="session")
-def gguf_gguf_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+def gguf_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A 6-layer random Llama (hidden 64) with SmolLM2's tokenizer, its lm_head sharpened so greedy is decisive."""
     torch.manual_seed(0)
     config = tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=LAYERS, tie_word_embeddings=False,
