@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,8 +63,16 @@ def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of):
     assert job.wait(timeout=60) == 130
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
-    left = subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], capture_output=True, text=True)
-    assert left.stdout.strip() == ""
+    left = [cmd for cmd in Path("/proc").glob("[0-9]*/cmdline")
+            if "llama-server" in _reads(cmd) and f"--port\0{port}\0" in _reads(cmd)]
+    assert left == []  # no llama-server process is left with that port
+
+
+def _reads(cmdline: Path) -> str:
+    try:
+        return cmdline.read_text()
+    except OSError:  # a process that ended while the folder was read
+        return ""
 
 
 def test_k_above_the_block_is_one_line(capsys, drafter_run_of):
