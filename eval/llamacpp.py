@@ -26,13 +26,15 @@ import json
 import re
 import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.inference.autotune import MIN_NOISE, PassCosts, expected_tokens, robust_choice
+from specdrafter.eval.acceptance import range_of
+from specdrafter.inference.autotune import MIN_NOISE, PassCosts, expected_tokens, pass_cost, robust_choice
 from specdrafter.inference.llama_server import LlamaServer
 
 DEPTH = 128  # tokens already in the cache when llama-bench times a pass (a decode step sits after its prompt)
@@ -89,8 +91,9 @@ class Answer:
                    int(t.get("draft_n_accepted", 0)))
 
 
-def answer(server: LlamaServer, prompt: Sequence[int], n: int, temperature: float = 0.0, seed: int = 0) -> Answer:
-    return Answer.of(server.complete(prompt, n, temperature=temperature, seed=seed))
+def answer(server: LlamaServer, prompt: Sequence[int], n: int, temperature: float = 0.0, seed: int = 0,
+           **fields) -> Answer:
+    return Answer.of(server.complete(prompt, n, temperature=temperature, seed=seed, **fields))
 
 
 def token_ms(answers: Sequence[Answer]) -> float:
@@ -99,14 +102,23 @@ def token_ms(answers: Sequence[Answer]) -> float:
 
 
 def reach_curve(log_text: str) -> List[float]:
-    """P(A ≥ j), j = 1..K, from llama-server's "acc per pos" lines (one per finished request, `-lv 4`), weighted by
-    nothing: every request of a calibration run has the same length, so the plain mean is the pooled rate."""
+    """P(A ≥ j), j = 1..K, from llama-server's "acc per pos" lines (one per finished request, `-lv 4`), unweighted:
+    every request of a calibration run decodes the same number of tokens (EOS ignored), so the plain mean pools them."""
     rows = [[float(x) for x in m.group(1).split(",") if x.strip()] for m in _POS_LINE.finditer(log_text)]
     rows = [r for r in rows if r]
     if not rows:
         return []
     width = max(len(r) for r in rows)
     return [statistics.fmean(r[j] if j < len(r) else 0.0 for r in rows) for j in range(width)]
+
+
+def settled_log(server: LlamaServer, requests: int, wait_s: float = 3.0) -> str:
+    """The server's log once it holds a per-position line for each of `requests` (llama.cpp writes its log from
+    a thread of its own, a moment after the reply), or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while len(_POS_LINE.findall(text := server.log_text())) < requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return text
 
 
 def conditional(reach: Sequence[float]) -> List[float]:
@@ -143,16 +155,19 @@ class Calibration:
     def tokens_per_step(self, k: int) -> float:
         return expected_tokens(conditional(self.reach), k)
 
+    def step_cost(self, k: int) -> float:
+        """One verify step at block length k, in target steps: v(k+1) + c(k)."""
+        return pass_cost(self.v, k + 1) + self.c_at(k)
+
     def predicted(self, k: int) -> float:
         """The predicted speedup over the same server without the drafter at block length k."""
-        return self.tokens_per_step(k) / (self.v[min(k + 1, max(self.v))] + self.c_at(k))
+        return self.tokens_per_step(k) / self.step_cost(k)
 
     def alpha_needed(self, speedup: float) -> Optional[float]:
         """The per-draft acceptance α (the same at every position) at which the best k would reach `speedup` at
         these costs; None if no α < 1 does."""
         def best(alpha: float) -> float:
-            return max(sum(alpha ** j for j in range(k + 1)) / (self.v[min(k + 1, max(self.v))] + self.c_at(k))
-                       for k in range(1, self.max_k + 1))
+            return max(sum(alpha ** j for j in range(k + 1)) / self.step_cost(k) for k in range(1, self.max_k + 1))
         if best(0.999) < speedup:
             return None
         lo, hi = 0.0, 0.999
@@ -163,7 +178,7 @@ class Calibration:
 
     def table(self) -> List[dict]:
         return [{"k": k, "tokens_per_step": round(self.tokens_per_step(k), 3), "c": round(self.c_at(k), 4),
-                 "v": round(self.v[min(k + 1, max(self.v))], 4), "predicted_speedup": round(self.predicted(k), 3)}
+                 "v": round(pass_cost(self.v, k + 1), 4), "predicted_speedup": round(self.predicted(k), 3)}
                 for k in range(1, self.max_k + 1)]
 
     def choose(self) -> "Choice":
@@ -198,15 +213,15 @@ def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Se
     costs = costs or measure_v(target, range(2, max_k + 2), threads)
     log(f"llama.cpp v(n) for n = 1..{max_k + 1}: " + ", ".join(f"{costs.v[n]:.2f}" for n in sorted(costs.v)))
     with LlamaServer(target, threads=threads) as alone:
-        base = [answer(alone, p, tokens) for p in prompts]
+        base = [answer(alone, p, tokens, ignore_eos=True) for p in prompts]
     target_ms = token_ms(base)
     c, reach = {}, []
     for k in sorted({1, max_k}):
         with LlamaServer(target, draft, spec_type, n_max=k, p_min=0.0, threads=threads, extra=["-lv", "4"]) as s:
-            runs = [answer(s, p, tokens) for p in prompts]
-            log_text = s.log_text()
+            runs = [answer(s, p, tokens, ignore_eos=True) for p in prompts]  # equal lengths: rows pool evenly
+            log_text = settled_log(s, len(prompts))
         step_ms = sum(a.ms for a in runs) / sum(a.steps for a in runs)
-        c[k] = max(step_ms / target_ms - costs.v[min(k + 1, max(costs.v))], 0.0)
+        c[k] = max(step_ms / target_ms - costs.cost(k + 1), 0.0)
         if k == max_k:
             reach = reach_curve(log_text) or [sum(a.accepted for a in runs) / sum(a.steps for a in runs)]
         log(f"  n_max {k}: {step_ms:.1f} ms per step against {target_ms:.1f} ms per target token, c({k}) = {c[k]:.3f}")
@@ -295,7 +310,7 @@ def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Seq
     rate = lambda answers: 1000 * sum(len(x.tokens) for x in answers) / sum(x.ms for x in answers)  # noqa: E731
     result = ArmResult(
         k, temperature, len(prompts), tokens, rate(alone), rate(drafted), statistics.median_low(ratios),
-        max(ratios) - min(ratios) if len(ratios) > 1 else None, accepted / max(drafts, 1),
+        range_of(ratios), accepted / max(drafts, 1),
         sum(len(d.tokens) for d in drafted) / sum(d.steps for d in drafted), drafts, accepted,
         None if calibration is None else calibration.predicted(k),
         None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])

@@ -88,7 +88,7 @@ def resolve_drafter(path: Path) -> Drafter:
     spec = spec_type(facts)
     recipe = gguf.parent / "recipe.yaml"
     if folder is None and recipe.is_file():  # an export's recipe names its target by Hub id or folder name
-        folder = target_folder(OmegaConf.load(recipe))
+        folder = target_of(OmegaConf.load(recipe)).folder
     return Drafter(gguf, spec, longest_block(facts, spec), facts, folder)
 
 
@@ -99,19 +99,21 @@ def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
     if not (out / DRAFT_FILE).is_file():
         print(f"exporting {src.drafter.parent} to GGUF ({out})", flush=True)
         export(src.drafter.parent, "gguf", out)
-    return out, target_folder(src.recipe)
+    return out, target_of(src.recipe).folder
 
 
-def target_folder(recipe) -> Optional[Path]:
-    return target_of(recipe).folder
+def files_key(files: List[Path], extra: str = "") -> str:
+    """A cache key that changes when any of `files` does (path, size, modification time)."""
+    key = hashlib.sha256(extra.encode())
+    for f in files:
+        key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    return key.hexdigest()
 
 
 def target_gguf(folder: Path, outtype: str = "f32") -> Path:
     """The target converted once into the cache, keyed by its config and weight files."""
-    key = hashlib.sha256()
-    for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
-        key.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
-    out = cache_dir() / "llama.cpp" / "targets" / f"{folder.name}-{outtype}-{key.hexdigest()[:12]}.gguf"
+    key = files_key(sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")))
+    out = cache_dir() / "llama.cpp" / "targets" / f"{folder.name}-{outtype}-{key[:12]}.gguf"
     if not out.is_file():
         print(f"converting the target {folder.name} to GGUF ({outtype}) with llama.cpp's converter", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -145,11 +147,8 @@ def plan_prompts(folder: Optional[Path]) -> List[List[int]]:
 
 def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> Calibration:
     """The drafter's calibration on this machine, cached by the two files and the thread count."""
-    key = hashlib.sha256()
-    for f in (target, drafter.gguf):
-        key.update(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
-    key.update(f"threads={threads}:{llamacpp.SDIST.version}".encode())
-    cached = cache_dir() / "llama.cpp" / "plans" / f"{key.hexdigest()[:16]}.json"
+    key = files_key([target.resolve(), drafter.gguf.resolve()], f"threads={threads}:{llamacpp.SDIST.version}")
+    cached = cache_dir() / "llama.cpp" / "plans" / f"{key[:16]}.json"
     if cached.is_file() and not fresh:
         try:
             return Calibration.from_json(json.loads(cached.read_text()))

@@ -159,19 +159,22 @@ TINY = ["drafter.num_layers=1", "drafter.eagle.aux_layer_ids=[1,3,5]", "drafter.
         "drafter.block.markov_rank=8", "inference.k=3", "train.wandb.mode=disabled", "target.dtype=float32"]
 
 
+def sharp_target(folder: Path, tokenizer, **config) -> Path:
+    """A random Llama (seed 0, untied) with `tokenizer`, saved in `folder`; its lm_head × 30, so decoding is decisive."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tie_word_embeddings=False, **config))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def gguf_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A 6-layer random Llama (hidden 64) with SmolLM2's tokenizer, its lm_head sharpened so greedy is decisive."""
-    torch.manual_seed(0)
-    config = tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=LAYERS, tie_word_embeddings=False,
-                               hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    folder = tmp_path_factory.mktemp("gguf-target")
-    model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
+    return sharp_target(tmp_path_factory.mktemp("gguf-target"), smollm2_tokenizer, num_hidden_layers=LAYERS,
+                        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="session")

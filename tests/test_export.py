@@ -17,13 +17,13 @@ import huggingface_hub.constants
 import pytest
 import torch
 import yaml
-from conftest import tiny_llama_config
+from conftest import sharp_target
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export, push_to_hub
@@ -50,14 +50,7 @@ GREEDY = SamplingParams(0.0)
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A 4-layer random Llama (hidden 32) with SmolLM2's tokenizer; its lm_head sharpened so decoding is not noise."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(len(smollm2_tokenizer), num_hidden_layers=4, tie_word_embeddings=False))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    folder = tmp_path_factory.mktemp("export-target")
-    model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
+    return sharp_target(tmp_path_factory.mktemp("export-target"), smollm2_tokenizer, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
