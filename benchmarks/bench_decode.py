@@ -17,6 +17,12 @@ measured inside the loop), the formula's predicted speedup from the measured α,
 ÷ one, measured here with its spread and fitted monotone), measured/predicted, and the verifier's time per token ÷
 target step; for ASD also its regret per prompt, the outputs that differ from strict greedy and its speed against
 the strict arm. Writes bench_decode.json, bench_decode.md and bench_decode.png to --out.
+
+With --llamacpp, after the loop's arms, each drafter given that llama.cpp serves (EAGLE-3, DFlash, DSpark, draft
+model) is also served by llama-server from its GGUF export (exported beside it once; the target converted into the
+cache once) and measured on the same prompts and temperatures, with and without the drafter alternating prompt by
+prompt (export/llamacpp_eval.py's arm): at the loop's k and at the k llama.cpp's measured costs pick, one thread per
+server (--llamacpp-threads). Needs `specdrafter-llamacpp install`; nothing else may run on the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_writ
 from specdrafter.core.recipe import DrafterKind, EvalVerifier
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
+from specdrafter.eval import llamacpp as llama_arm
 from specdrafter.eval.acceptance import (
     NOISY,
     NOISY_LEGEND,
@@ -46,6 +53,8 @@ from specdrafter.eval.acceptance import (
     spread_label,
 )
 from specdrafter.eval.report import machine_line
+from specdrafter.export.serve import check_pair, plan, resolve_drafter, target_gguf
+from specdrafter.export.source import target_of
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import GenerationResult
 from specdrafter.inference.decoder import build_decoder
@@ -320,6 +329,58 @@ def plot(rows: List[dict], temperatures: List[float], path: Path) -> None:
     plt.close(fig)
 
 
+def llamacpp_rows(cfg: DictConfig, args, prompts: List[List[int]]) -> List[dict]:
+    """Each given drafter llama.cpp serves, in llama-server beside the target alone: at the loop's k and the plan's."""
+    folder = target_of(cfg).folder
+    given = given_drafters(args) or {cfg.drafter.kind.value: cfg.drafter.path}
+    rows = []
+    for name, path in given.items():
+        if KINDS[name].export.llamacpp is None or path is None:
+            print(f"llama.cpp: no {name} drafter there, skipped", file=sys.stderr)
+            continue
+        drafter = resolve_drafter(Path(path))
+        drafter.target_folder = folder
+        target = target_gguf(folder)
+        check_pair(drafter, target)
+        cal = plan(drafter, target, args.llamacpp_threads)
+        choice = cal.choose()
+        ks = sorted({k for k in (cfg.inference.k, choice.k) if k != "auto" and k <= drafter.max_k})
+        for t in args.temperatures:
+            for k in ks:
+                arm = llama_arm.side_by_side(target, drafter.gguf, drafter.spec_type, k, prompts, args.max_new_tokens, t,
+                                   args.llamacpp_threads, "f32", cal, log=lambda line: print(line, file=sys.stderr))
+                rows.append({"arm": f"{name}_llamacpp", "chosen": k == choice.k, "plan_pays": choice.pays,
+                             **{key: value for key, value in arm.__dict__.items() if key != "departures"},
+                             "departures": arm.departures,
+                             "measured_over_predicted": round(arm.speedup_median / arm.predicted_speedup, 3)})
+                print(f"llama.cpp {name} T={t:g} k={k}: {arm.speedup_median}× (predicted {arm.predicted_speedup}×)",
+                      file=sys.stderr)
+    return rows
+
+
+def identical_label(row: dict) -> str:
+    """T = 0: answers identical to target-only decoding, and the ties among the departures."""
+    if row["identical"] is None:
+        return ""
+    ties = sum(d["tie"] for d in row["departures"])
+    return f"{row['identical']}/{row['prompts']}" + (f" ({ties} tie(s))" if ties else "")
+
+
+def llamacpp_markdown(rows: List[dict]) -> str:
+    lines = ["", "llama.cpp (llama-server with the drafter's GGUF vs the same server without it, alternating prompt by "
+             "prompt; speedup = median of the per-prompt ratios, spread = their max − min; α, τ from llama.cpp's "
+             "counters; predicted = τ ÷ (v(k+1) + c(k)) at llama.cpp's measured costs; * = the k its plan picks):", "",
+             "| T | arm | k | target tok/s | drafted tok/s | speedup | spread | τ | α | predicted | measured/predicted "
+             "| T = 0 identical |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['temperature']:g} | {r['arm']} | {r['k']}{'*' if r['chosen'] else ''} | {r['alone_tokens_per_s']} "
+              f"| {r['drafted_tokens_per_s']} | {r['speedup_median']} | "
+              f"{spread_label(r['speedup_median'], r['speedup_range'])} | {r['tau']} | {r['alpha']} | "
+              f"{r['predicted_speedup']} | {r['measured_over_predicted']} | "
+              f"{identical_label(r)} |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -334,6 +395,8 @@ def main(argv=None):
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--arms", nargs="+", help="only these arms (names as in the table; the target always runs)")
     parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--llamacpp", action="store_true", help="also serve each drafter in llama-server and measure it")
+    parser.add_argument("--llamacpp-threads", type=int, default=1)
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
@@ -360,14 +423,20 @@ def main(argv=None):
     print(machine_line(machine), file=sys.stderr)
     measure(arms, prompts, args.temperatures, args.repeats, cfg.inference.seed)
     rows = table(arms, args.temperatures, costs.step_s, costs.v, origins)
+    try:  # after the loop's arms, one engine at a time: llama.cpp's threads spin
+        llama_rows = llamacpp_rows(cfg, args, prompts) if args.llamacpp else []
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
     out = Path(args.out)
     header = (f"Decode benchmark: {len(prompts)} prompts ({', '.join(args.sets)}), {args.max_new_tokens} new tokens, "
               f"median of {args.repeats} repeats; " + machine_line(machine))
     atomic_write_json(out / "bench_decode.json", {"prompts": [r["id"] for r in records], "max_new_tokens": args.max_new_tokens,
-                                                  "repeats": args.repeats, **machine, "rows": rows})
-    atomic_write_text(out / "bench_decode.md", markdown(rows, header))
+                                                  "repeats": args.repeats, **machine, "rows": rows,
+                                                  "llamacpp_rows": llama_rows})
+    text = markdown(rows, header) + (llamacpp_markdown(llama_rows) if llama_rows else "")
+    atomic_write_text(out / "bench_decode.md", text)
     plot(rows, args.temperatures, out / "bench_decode.png")
-    print(markdown(rows, header))
+    print(text)
 
 
 if __name__ == "__main__":

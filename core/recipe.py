@@ -405,6 +405,26 @@ class EvalVerifier(Enum):
         return self.value in ("chain", "asd")
 
 
+class EvalEngine(Enum):
+    loop = "loop"  # our decoding loop (eval/job.py)
+    llamacpp = "llama.cpp"  # llama-server with the checkpoint's GGUF export, beside the target alone (export/llamacpp_eval.py)
+
+
+class GGUFType(Enum):  # the target GGUF's weights for llama.cpp (convert_hf_to_gguf.py --outtype)
+    f32 = "f32"
+    bf16 = "bf16"
+    f16 = "f16"
+    q8_0 = "q8_0"
+
+
+@dataclass
+class EvalLlamaCppConfig:
+    # llama.cpp's threads per server. Its worker threads spin while they wait: on a shared machine use 1, and run
+    # nothing else meanwhile.
+    threads: int = checked(1, AT_LEAST_ONE)
+    outtype: GGUFType = GGUFType.f32  # the target's GGUF (the drafter's is always f32, as trained)
+
+
 ASD_SETTINGS = Rule(lambda v: all(len(s) == 3 and s[0] >= 0 and s[1] >= 0 and s[2] >= 1 for s in v), whole=True,
                     must="a list of [budget >= 0, gate >= 0, max_mismatches >= 1]")
 
@@ -430,6 +450,11 @@ class EvalConfig:
     repeats: int = checked(1, AT_LEAST_ONE)
     output_dir: Optional[str] = None  # default: <run>/eval beside the checkpoints
     wandb: bool = False  # also log the cells and plots to wandb (mode and project: train.wandb)
+    # Where to decode: our loop, and/or llama.cpp (the newest checkpoint served by llama-server from its GGUF export,
+    # each set × temperature at the block length llama.cpp's measured costs pick, and the k sweep; its numbers
+    # beside the loop's in the report). llama.cpp needs `specdrafter-llamacpp install` and launch/eval_acceptance.py.
+    engines: List[EvalEngine] = checked([EvalEngine.loop], NON_EMPTY)
+    llamacpp: EvalLlamaCppConfig = field(default_factory=EvalLlamaCppConfig)
 
 
 @dataclass

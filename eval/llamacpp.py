@@ -290,9 +290,13 @@ class ArmResult:
 
 def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Sequence[Sequence[int]], tokens: int,
                  temperature: float = 0.0, threads: int = 1, outtype: str = "f32",
-                 calibration: Optional[Calibration] = None, log=print) -> ArmResult:
+                 calibration: Optional[Calibration] = None, log=print, raise_inexact: bool = True) -> ArmResult:
     """Both servers up (idle, a server does not spin), prompts sent to each in turn: target-only, then drafted, so a
-    slow spell hits both arms of a prompt. At T = 0 every answer must equal target-only decoding, or depart at a tie."""
+    slow spell hits both arms of a prompt. At T = 0 every answer must equal target-only decoding, or depart at a tie
+    (else InexactVerifier, or with raise_inexact=False the departures are only recorded: `check_exact`).
+
+    The predicted speedup is the cost model's at the acceptance measured here: τ ÷ (v(k+1) + c(k)) with the
+    calibration's costs, as the loop's cells predict theirs from their own α."""
     alone, drafted, ratios, departures = [], [], [], []
     with LlamaServer(target, threads=threads) as base, \
             LlamaServer(target, draft, spec_type, n_max=k, p_min=0.0, threads=threads) as spec:
@@ -309,16 +313,24 @@ def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Seq
     drafts, accepted = sum(d.drafted for d in drafted), sum(d.accepted for d in drafted)
     rate = lambda answers: 1000 * sum(len(x.tokens) for x in answers) / sum(x.ms for x in answers)  # noqa: E731
     result = ArmResult(
-        k, temperature, len(prompts), tokens, rate(alone), rate(drafted), statistics.median_low(ratios),
-        range_of(ratios), accepted / max(drafts, 1),
-        sum(len(d.tokens) for d in drafted) / sum(d.steps for d in drafted), drafts, accepted,
-        None if calibration is None else calibration.predicted(k),
+        k, temperature, len(prompts), tokens, round(rate(alone), 2), round(rate(drafted), 2),
+        round(statistics.median_low(ratios), 3), round(range_of(ratios), 3), round(accepted / max(drafts, 1), 4),
+        round(1 + accepted / sum(d.steps for d in drafted), 4), drafts, accepted,  # τ: the prompt pass's token aside
+        None,
         None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])
-    wrong = [x for x in departures if not x.tie]
-    if wrong:
-        raise InexactVerifier(f"llama.cpp at k = {k}: {len(wrong)} answer(s) departed from target-only decoding at a "
-                              f"clear margin, first at {wrong[0].line()}")
+    if calibration is not None:
+        result.predicted_speedup = round(result.tau / calibration.step_cost(k), 3)
+    if raise_inexact:
+        check_exact(result)
     return result
+
+
+def check_exact(result: ArmResult) -> None:
+    """InexactVerifier if an answer departed from target-only decoding where the target's choice was clear."""
+    wrong = [Departure(**x) for x in result.departures if not x["tie"]]
+    if wrong:
+        raise InexactVerifier(f"llama.cpp at k = {result.k}: {len(wrong)} answer(s) departed from target-only decoding "
+                              f"at a clear margin, first at {wrong[0].line()}")
 
 
 class InexactVerifier(SpecdrafterError):

@@ -84,6 +84,7 @@ def write_report(data: dict, out: Path) -> Path:
             ("set", "set"), ("setting", "setting"), ("tok/s", "tokens_per_s"), ("vs strict", "vs_strict"),
             ("spread", "vs_strict_spread"), ("τ", "tau"),
             ("regret / prompt", "asd_regret"), ("outputs differing", "differs"), ("GSM8K acc.", "answer_accuracy")]), ""]
+    lines += llamacpp_section(data)
     lines += ["## Target-only baselines (HF generate)", "", cell_table(
         [{"cell": k.replace("|", ", "), **b} for k, b in data["baselines"].items()], [
             ("set, T", "cell"), ("tokens", "tokens"), ("tok/s", "tokens_per_s"),
@@ -91,6 +92,57 @@ def write_report(data: dict, out: Path) -> Path:
     plots = [_plot_positions(main, out), _plot_steps(steps, out), _plot_sweep(sweep, data, out)]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots if p]
     return atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def llamacpp_section(data: dict) -> List[str]:
+    """The llama.cpp arm (export/llamacpp_eval.py): its cells beside the loop's speedup for the same checkpoint, set,
+    temperature and k, the plan's costs, and every T = 0 departure with its margin."""
+    arm = data.get("llamacpp") or {}
+    if not arm.get("cells"):
+        return []
+    cal, choice = arm["calibration"], arm["choice"]
+    loop = {(c["checkpoint"], c["set"], c["temperature"], c["k"]): c for c in data["cells"]
+            if c["verifier"] == "chain" and not c.get("asd")}
+
+    def loop_speedup(c: dict) -> Optional[float]:
+        found = loop.get((c["checkpoint"], c["set"], c["temperature"], c["k"]))
+        return _speedup(found) if found else None
+
+    def identical(c: dict) -> str:
+        if c["identical"] is None:
+            return ""
+        ties = sum(d["tie"] for d in c["departures"])
+        wrong = len(c["departures"]) - ties
+        return f"{c['identical']}/{c['prompts']}" + (f", {ties} tie(s)" if ties else "") + (
+            f", **{wrong} at a clear margin ✗**" if wrong else "")
+
+    pays = "pays" if choice["pays"] else "does not pay: specdrafter-serve would serve the target alone"
+    lines = [f"## llama.cpp beside our loop ({arm['spec_type']}, {arm['threads']} thread(s) per server, target GGUF "
+             f"{arm['outtype']})", "",
+             f"Each cell: the same prompts through llama-server without and with the drafter, alternating prompt by "
+             f"prompt; `speedup` = the median of the per-prompt ratios of tok/s, `range` their max − min; α and τ from "
+             f"llama.cpp's own counters (draft_n, draft_n_accepted); `predicted` = τ ÷ (v(k+1) + c(k)) at llama.cpp's "
+             f"measured costs; `loop` = our loop's speedup for the same set, T and k (— if the loop did not run "
+             f"it). llama.cpp's target runs {1000 / cal['target_ms']:.1f} tok/s here; v(n) = "
+             + ", ".join(f"{n}: {x:.2f}" for n, x in cal["v"].items())
+             + "; c(k) = " + ", ".join(f"{k}: {x:.3f}" for k, x in cal["c"].items())
+             + f" (per target step, linear in between). The plan picks k = {choice['k']}, predicted "
+             f"{choice['predicted']:.2f}×, which {pays} (timing noise ±{100 * choice['noise']:.0f} %).", "",
+             cell_table(sorted(arm["cells"], key=lambda c: (c["sweep"], c["set"], c["temperature"], c["k"])), [
+                 ("set", "set"), ("T", "temperature"), ("k", "k"), ("α", "alpha"), ("τ", "tau"),
+                 ("target tok/s", "alone_tokens_per_s"), ("drafted tok/s", "drafted_tokens_per_s"),
+                 ("speedup", "speedup_median"), ("range", "speedup_range"), ("predicted", "predicted_speedup"),
+                 ("measured/predicted", "measured_over_predicted"), ("loop", loop_speedup),
+                 ("T = 0 identical", identical)]), ""]
+    departures = [(c, d) for c in arm["cells"] for d in c["departures"]]
+    if departures:
+        lines += ["First departures from target-only decoding at T = 0 (the target's top-1 − top-2 log-probability "
+                  "there; a tie is within the weight type's rounding):", ""]
+        lines += [f"- {c['id']}: prompt {d['prompt']}, token {d['position']}, margin "
+                  f"{'?' if d['margin'] is None else format(d['margin'], '.3g')} "
+                  f"({'tie' if d['tie'] else 'clear: the verifier is inexact'})" for c, d in departures]
+        lines.append("")
+    return lines
 
 
 def asd_audit(data: dict, out: Path) -> List[dict]:

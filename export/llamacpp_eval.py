@@ -1,0 +1,162 @@
+"""The evaluation's llama.cpp arm: the newest checkpoint served by llama-server, measured beside our loop's cells.
+
+    python launch/eval_acceptance.py RECIPE.yaml checkpoint=RUN eval.engines=[loop,llama.cpp]
+
+`launch/eval_acceptance.py` runs this module's `main`: the loop's cells (eval/job.py), then, when eval.engines names
+llama.cpp, this arm, into the same results.json and report. It sits here, above export/, because llama.cpp serves a
+checkpoint from its GGUF export; eval/job.py alone (`python -m specdrafter.eval.job`) runs the loop's cells only.
+
+Before any cell is decoded the arm is prepared, so that bad input costs seconds, not the loop's minutes: the
+checkpoint is exported to GGUF (beside it, once), the target converted (into the cache, once) at
+eval.llamacpp.outtype, the pair checked (vocabulary, feature width), and the drafter calibrated in llama.cpp on this
+machine (export/serve.py's plan: v(n), c(k), cached). Then per cell, the same prompts through llama-server without and
+with the drafter, alternating prompt by prompt (eval/llamacpp.py:side_by_side):
+- the newest checkpoint × each set × each temperature, at the block length the plan picks (what `specdrafter-serve`
+  would serve, whether or not it pays), and on the first set at T = 0 each k of eval.k_sweep the drafter can take;
+- tok/s of both servers, the speedup (median of the per-prompt ratios, and their range), llama.cpp's counters turned
+  into α and τ, the predicted speedup τ ÷ (v(k+1) + c(k)) at llama.cpp's measured costs, measured ÷ predicted;
+- at T = 0 every answer must equal target-only decoding; a departure is classified by the target's top-2 margin
+  there: a tie within the weight type's rounding is counted and reported, a clear margin fails the cell (its row is
+  kept, marked, and the job exits with an error once the other cells are done).
+
+results.json gains "llamacpp": {"threads", "outtype", "target_gguf", "drafter_gguf", "spec_type", "max_k",
+"calibration": (eval/llamacpp.py:Calibration.to_json), "choice": {"k", "predicted", "pays", "noise"},
+"cells": [{"id", "checkpoint", "set", "sweep", "exact", ...ArmResult's fields, "measured_over_predicted"}]}.
+Cells are saved as they finish; a rerun skips them. A server that dies mid-run is one line naming the cell.
+Servers run one thread each by default (eval.llamacpp.threads): llama.cpp's threads spin, so nothing else should run
+on the machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import List, Optional
+
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.chat import user_prompt_ids
+from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets, run_eval
+from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
+from specdrafter.eval.report import write_report
+from specdrafter.export.serve import Drafter, check_pair, plan, resolve_drafter, target_gguf
+from specdrafter.export.source import target_of
+from specdrafter.jobs.cli import cli
+from specdrafter.kinds import kind_of
+
+log = logging.getLogger("specdrafter")
+ENGINE = "llama.cpp"
+
+
+def wants_llamacpp(cfg: DictConfig) -> bool:
+    return ENGINE in [e.value for e in cfg.eval.engines]
+
+
+def prepare(cfg: DictConfig):
+    """(the drafter GGUF, the target GGUF) of the newest checkpoint, checked as a pair; one line if llama.cpp
+    cannot serve the recipe's drafter."""
+    kind = kind_of(cfg)
+    if kind.export.llamacpp is None:
+        raise SpecdrafterError(f"recipe key 'eval.engines': llama.cpp serves no {kind.description} (it has EAGLE-3, "
+                               "DFlash, DSpark and draft models); remove llama.cpp from eval.engines")
+    newest = find_run_checkpoints(cfg)[-1]
+    folder = target_of(cfg).folder
+    if folder is None:
+        raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
+                               "this machine")
+    drafter = resolve_drafter(newest.drafter)
+    drafter.target_folder = folder
+    target = target_gguf(folder, cfg.eval.llamacpp.outtype.value)
+    check_pair(drafter, target)
+    return newest, drafter, target
+
+
+def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
+    """Every llama.cpp cell not yet in results.json; the report rebuilt after each. Returns the evaluation folder."""
+    e, threads = cfg.eval, cfg.eval.llamacpp.threads
+    out = default_output_dir(cfg, [newest])
+    out.mkdir(parents=True, exist_ok=True)
+    results = Results(out, cfg)
+    cal = plan(drafter, target, threads)
+    choice = cal.choose()
+    arm = results.data.setdefault("llamacpp", {"cells": []})
+    arm.update(threads=threads, outtype=e.llamacpp.outtype.value, target_gguf=target.name,
+               drafter_gguf=str(drafter.gguf), spec_type=drafter.spec_type, max_k=drafter.max_k,
+               calibration=cal.to_json(), choice=asdict(choice))
+    tokenizer = AutoTokenizer.from_pretrained(drafter.target_folder)
+    sets = load_sets(e)
+    prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
+    cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k)
+    done = {c["id"] for c in arm["cells"]}
+    todo = [c for c in cells if c["id"] not in done]
+    log.info(f"llama.cpp arm: {len(cells)} cells ({len(cells) - len(todo)} already in {results.path}), {threads} "
+             f"thread(s) per server, {drafter.spec_type}, the plan's k = {choice.k} (predicted {choice.predicted:.2f}×)")
+    for cell in todo:
+        try:
+            found = side_by_side(target, drafter.gguf, drafter.spec_type, cell["k"], prompts[cell["set"]],
+                                 e.max_new_tokens, cell["temperature"], threads, e.llamacpp.outtype.value, cal,
+                                 log=log.info, raise_inexact=False)
+        except SpecdrafterError as error:
+            raise SpecdrafterError(f"llama.cpp cell {cell['id']}: {error} (the finished cells are kept in "
+                                   f"{results.path})") from None
+        row = {**cell, **asdict(found), "exact": all(d["tie"] for d in found.departures)}
+        row["measured_over_predicted"] = (round(found.speedup_median / found.predicted_speedup, 3)
+                                          if found.predicted_speedup else None)
+        arm["cells"] = [c for c in arm["cells"] if c["id"] != cell["id"]] + [row]
+        results.save()
+        log.info(f"  {cell['id']}: {found.speedup_median:.2f}× (predicted {found.predicted_speedup}×), "
+                 f"α {found.alpha:.3f}, τ {found.tau:.2f}" + ("" if cell["temperature"] else
+                                                             f", identical {found.identical}/{found.prompts}"))
+    write_report(results.data, out)
+    failed = [c for c in arm["cells"] if not c["exact"]]
+    if failed:  # their rows are kept; the job fails loudly
+        first = next(Departure(**d) for d in failed[0]["departures"] if not d["tie"])
+        raise InexactVerifier(f"llama.cpp departed from target-only decoding at a clear margin in {len(failed)} "
+                              f"cell(s), first in {failed[0]['id']} at {first.line()} (see {out / 'report.md'})")
+    return out
+
+
+def plan_cells(checkpoint: str, sets: List[str], temperatures: List[float], k: int, k_sweep: List[int],
+               max_k: int) -> List[dict]:
+    """The arm's cells: each set × temperature at the plan's k, then the first set at T = 0 at each swept k."""
+    cells: List[dict] = []
+
+    def add(name: str, temperature: float, kk: int, sweep: bool) -> None:
+        cell_id = f"{checkpoint}|{name}|T={float(temperature)}|{ENGINE}|k={kk}"
+        if all(c["id"] != cell_id for c in cells):
+            cells.append({"id": cell_id, "checkpoint": checkpoint, "set": name, "temperature": float(temperature),
+                          "k": kk, "sweep": sweep})
+
+    for name in sets:
+        for temperature in temperatures:
+            add(name, temperature, k, False)
+    for kk in k_sweep:
+        if kk <= max_k:
+            add(sets[0], 0.0, kk, True)
+    return cells
+
+
+def evaluate(cfg: DictConfig) -> Path:
+    """The eval job with every engine of eval.engines: llama.cpp's arm prepared first, the loop's cells, the arm."""
+    arm = prepare(cfg) if wants_llamacpp(cfg) else None
+    out = run_eval(cfg) if "loop" in [e.value for e in cfg.eval.engines] else None
+    if arm is not None:
+        out = run_arm(cfg, *arm)
+        log.info(f"llama.cpp arm → {out / 'report.md'}")
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python launch/eval_acceptance.py RECIPE.yaml checkpoint=X [eval.*=...]`; `checkpoint=X` is short for
+    eval.checkpoint=X."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    cli(evaluate, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The eval job's llama.cpp arm (export/llamacpp_eval.py): a checkpoint served by llama-server beside our loop, in one
+results.json and report; a rerun skips the finished cells; a drafter llama.cpp cannot serve is refused before the loop
+runs. Random drafters on a tiny target: the arm's mechanics and the T = 0 identity check, not speed. Needs the
+llama.cpp build."""
+
+import json
+
+import pytest
+from conftest import RECIPES, REPO, TINY
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.export.llamacpp_eval import evaluate, plan_cells
+from specdrafter.jobs.recipe import load_recipe
+
+pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
+
+SMALL = ["eval.sets=[mtbench]", "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.temperatures=[0,1]",
+         "eval.k_sweep=[1,2]", "eval.repeats=1"]
+
+
+def recipe(kind, run, target, *extra):
+    return load_recipe(REPO / "recipes" / f"{RECIPES[kind]}.yaml",
+                       [f"output_dir={run}", f"target.model={target}", f"drafter.kind={kind}", *TINY, *SMALL,
+                        f"eval.checkpoint={run}", *extra])
+
+
+def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, gguf_target_dir, caplog):
+    run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
+    cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[loop,llama.cpp]")
+    out = evaluate(cfg)
+    data = json.loads((out / "results.json").read_text())
+    arm = data["llamacpp"]
+    assert arm["spec_type"] == "draft-eagle3" and arm["threads"] == 1 and arm["outtype"] == "f32"
+    k = arm["choice"]["k"]
+    ids = [c["id"] for c in arm["cells"]]
+    assert ids == [c["id"] for c in plan_cells("step-000004", ["mtbench"], [0.0, 1.0], k, [1, 2], arm["max_k"])]
+    for c in arm["cells"]:
+        assert c["drafted"] > 0 and c["tau"] >= 1.0 and 0.0 <= c["alpha"] <= 1.0
+        assert c["predicted_speedup"] > 0 and c["measured_over_predicted"] > 0
+        if c["temperature"] == 0:  # identical, or departing only at a tie (else the job would have failed)
+            assert c["exact"] and c["identical"] + len(c["departures"]) == 2
+    assert len(data["cells"]) > 0  # the loop's cells, in the same results.json
+    report = (out / "report.md").read_text()
+    assert "## llama.cpp beside our loop (draft-eagle3" in report and "| loop |" in report
+    with caplog.at_level("INFO", logger="specdrafter"):
+        evaluate(cfg)  # a rerun measures nothing again
+    assert f"({len(ids)} already in" in caplog.text
+
+
+def test_a_drafter_llamacpp_cannot_serve_is_refused_before_the_loop(tmp_path, gguf_target_dir):
+    cfg = recipe("medusa", tmp_path, gguf_target_dir, "eval.engines=[loop,llama.cpp]")
+    with pytest.raises(SpecdrafterError, match="llama.cpp serves no .*remove llama.cpp from eval.engines"):
+        evaluate(cfg)
+    assert not (tmp_path / "eval").exists()
+
+
+def test_the_arm_plans_the_chosen_k_per_cell_and_the_sweep_on_the_first_set():
+    cells = plan_cells("step-1", ["mtbench", "gsm8k"], [0, 1], 3, [1, 3, 9], 8)
+    assert [(c["set"], c["temperature"], c["k"], c["sweep"]) for c in cells] == [
+        ("mtbench", 0.0, 3, False), ("mtbench", 1.0, 3, False), ("gsm8k", 0.0, 3, False), ("gsm8k", 1.0, 3, False),
+        ("mtbench", 0.0, 1, True)]  # k = 3 at T = 0 is already a cell; 9 is above the drafter's 8
