@@ -40,6 +40,7 @@ from transformers import AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.chat import user_prompt_ids
+from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets, run_eval
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
@@ -140,13 +141,41 @@ def plan_cells(checkpoint: str, sets: List[str], temperatures: List[float], k: i
     return cells
 
 
+def both_speedups(data: dict) -> List[str]:
+    """The headline of each engine, newest checkpoint, first set, T = 0: our loop's first cell and llama.cpp's cell
+    at the plan's k, with what the plan advises."""
+    lines = []
+    loop = [c for c in data["cells"] if not c["sweep"] and c["verifier"] == "chain" and c["temperature"] == 0]
+    if loop:
+        newest = max(loop, key=lambda c: c["step"] or 0)["checkpoint"]
+        c = next(c for c in loop if c["checkpoint"] == newest)
+        s = speedup_of(c)
+        k = c["k"] if c["k"] != "auto" else f"auto ({c.get('k_used')})"
+        lines.append(f"our loop:  {c['set']} T=0 k={k}: {s.value:.2f}×" + (f" (spread {s.spread:.2f})" if s.spread
+                     is not None else "") + f", α {c['alpha']:.3f}, τ {c['tau']:.2f}, predicted "
+                     f"{c['predicted_speedup']}× ({c['checkpoint']})")
+    arm = data.get("llamacpp") or {}
+    cells = [c for c in arm.get("cells", []) if not c["sweep"] and c["temperature"] == 0]
+    if cells:
+        c, choice = cells[0], arm["choice"]
+        lines.append(f"llama.cpp: {c['set']} T=0 k={c['k']}: {c['speedup_median']:.2f}× (range {c['speedup_range']}), "
+                     f"α {c['alpha']:.3f}, τ {c['tau']:.2f}, predicted {c['predicted_speedup']}×, identical to the "
+                     f"target alone {c['identical']}/{c['prompts']}" + (f" ({len(c['departures'])} tie(s))"
+                                                                          if c["departures"] else ""))
+        lines.append(f"llama.cpp's plan: k = {choice['k']}, predicted {choice['predicted']:.2f}×: " +
+                     ("serve it with the drafter" if choice["pays"] else
+                      "it does not pay here, specdrafter-serve serves the target alone"))
+    return lines
+
+
 def evaluate(cfg: DictConfig) -> Path:
     """The eval job with every engine of eval.engines: llama.cpp's arm prepared first, the loop's cells, the arm."""
     arm = prepare(cfg) if wants_llamacpp(cfg) else None
     out = run_eval(cfg) if "loop" in [e.value for e in cfg.eval.engines] else None
     if arm is not None:
         out = run_arm(cfg, *arm)
-        log.info(f"llama.cpp arm → {out / 'report.md'}")
+        for line in both_speedups(Results(out, cfg).data):
+            log.info(line)
     return out
 
 
