@@ -4,6 +4,8 @@ runs. Random drafters on a tiny target: the arm's mechanics and the T = 0 identi
 llama.cpp build."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from conftest import RECIPES, REPO, TINY
@@ -60,3 +62,12 @@ def test_the_arm_plans_the_chosen_k_per_cell_and_the_sweep_on_the_first_set():
     assert [(c["set"], c["temperature"], c["k"], c["sweep"]) for c in cells] == [
         ("mtbench", 0.0, 3, False), ("mtbench", 1.0, 3, False), ("gsm8k", 0.0, 3, False), ("gsm8k", 1.0, 3, False),
         ("mtbench", 0.0, 1, True)]  # k = 3 at T = 0 is already a cell; 9 is above the drafter's 8
+
+
+def test_the_main_job_refuses_a_bad_override_in_one_line_before_anything_runs(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "launch" / "main_job.py"), "bogus.key=1",
+                           f"output_dir={tmp_path}/run"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == ["error: unknown recipe key 'bogus' (valid keys here: output_dir, target, "
+                                                "data, drafter, train, inference, eval, scaling)"]
+    assert not (tmp_path / "run").exists()
