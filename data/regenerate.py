@@ -32,7 +32,6 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from specdrafter.core.io import (
     SpecdrafterError,
@@ -51,6 +50,7 @@ from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import chat_ids, eos_token_ids, user_prompt_ids
 from specdrafter.data.server import ServerEngine
 from specdrafter.models.features import capture_features, check_layer_ids
+from specdrafter.models.targets import new_cache
 
 log = logging.getLogger("specdrafter")
 datasets.disable_progress_bars()  # one progress bar (ours) is enough
@@ -175,7 +175,7 @@ def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, tempe
             attention_mask[row, width - len(prompts[i]):] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [B, T]
-        cache = DynamicCache()
+        cache = new_cache(model)  # a recurrent target's states too (models/targets.py)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         rows = torch.tensor(batch, device=device)  # [B] which prompt each batch row answers

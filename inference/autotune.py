@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from transformers import DynamicCache
+
+from specdrafter.models.targets import drop_last, new_cache, snapshot
 
 
 @torch.no_grad()
@@ -37,18 +38,19 @@ def time_passes(model, context: Sequence[int], sizes: Sequence[int], repeats: in
     The sizes are interleaved and their order rotates from repeat to repeat (repeat r starts at the r-th size), so a
     slow spell of the machine hits every size alike and no size always runs first or right after the same one."""
     sizes = list(dict.fromkeys(sizes))
-    cache, device = DynamicCache(), getattr(model, "device", torch.device("cpu"))  # an HF model knows its device
+    cache, device = new_cache(model), getattr(model, "device", torch.device("cpu"))  # an HF model knows its device
     model(input_ids=torch.tensor([list(context)], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     times: Dict[int, List[float]] = {n: [] for n in sizes}
     for r in range(repeats):
         shift = r % len(sizes)
         for n in sizes[shift:] + sizes[:shift]:
+            saved = snapshot(cache)  # a recurrent layer's state, restored after the pass
             start = time.perf_counter()
             model(input_ids=torch.tensor([(list(context) * n)[:n]], device=device), cache=cache, use_cache=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # a kernel launch returns before the pass is done
             times[n].append(time.perf_counter() - start)
-            cache.crop(-n)
+            drop_last(cache, n, saved)
     return times
 
 

@@ -19,7 +19,7 @@ from specdrafter.core.recipe import ASDConfig
 from specdrafter.inference.autotune import BlockLengthTuner
 from specdrafter.inference.proposers import Proposer, TreeProposer, device_of
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
-from specdrafter.inference.tree import TreeShape, tree_attention, tree_positions
+from specdrafter.inference.tree import TreeShape, tree_positions
 from specdrafter.inference.verify import (
     RegretLedger,
     Verdict,
@@ -30,6 +30,7 @@ from specdrafter.inference.verify import (
     verify_tree_sampling,
 )
 from specdrafter.models.features import capture_features
+from specdrafter.models.targets import check_tree_target, new_cache, rollback, snapshot, tree_masks
 
 
 class ContextOverflow(SpecdrafterError):
@@ -128,13 +129,14 @@ def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos
         t1 = time.perf_counter()
         k = len(proposal.tokens)  # a proposer may draft fewer (a block drafter's confidence-sized length)
         ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
+        saved = snapshot(cache)  # a recurrent layer's state before the pass (None for attention-only targets)
         logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0].cpu()  # [k+1, V], verified on the CPU
         t_logits = time.perf_counter()
         verdict = _verify(proposal, logits, params, ledger, asd, generator,
                           room=max_new_tokens - len(result.tokens), eos=eos)
         t2 = time.perf_counter()
         new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
-        cache.crop(-(k - verdict.num_accepted))  # rollback: keep newest_committed + accepted drafts
+        rollback(target, cache, ids, verdict.num_accepted + 1, saved)  # rollback: keep newest_committed + accepted
         proposer.rollback(len(committed) + len(new))
         _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
         result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - t_logits, size=k + 1))
@@ -176,6 +178,7 @@ def tree_speculative_generate(target: nn.Module, proposer: TreeProposer, prompt_
     deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule. `accept` replaces that rule
     (Medusa's typical acceptance: inference/medusa.py:typical_generate)."""
     check_request(target, prompt_ids, max_new_tokens)
+    check_tree_target(target.config)
     tuner = proposer.tree_size  # a TreeSizeTuner picks how much of each drafted tree to verify
     if tuner is not None and not tuner.calibrated:
         tuner.calibrate(target, prompt_ids)
@@ -218,9 +221,12 @@ def tree_pass(target: nn.Module, cache: DynamicCache, shape, tokens: torch.Tenso
     """One target pass over a whole draft tree after `past` cached tokens (tree attention): logits [N+1, V], on the
     CPU where the acceptance rule runs."""
     device = device_of(target)
-    return target(input_ids=tokens[None].to(device), cache=cache, use_cache=True,
-                  attention_mask=tree_attention(shape.ancestors_mask(), past).to(device),
-                  position_ids=tree_positions(shape.depths, past).to(device)).logits[0].cpu()
+    positions = tree_positions(shape.depths, past)  # [1, N+1]
+    allowed = torch.cat([torch.ones(shape.size, past, dtype=torch.bool), shape.ancestors_mask()], dim=1)
+    masks = tree_masks(target.config, allowed, torch.cat([torch.arange(past), positions[0]]), positions[0])
+    masks = {t: m.to(device) for t, m in masks.items()} if isinstance(masks, dict) else masks.to(device)
+    return target(input_ids=tokens[None].to(device), cache=cache, use_cache=True, attention_mask=masks,
+                  position_ids=positions.to(device)).logits[0].cpu()
 
 
 def check_request(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -242,7 +248,7 @@ def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[L
     if context and len(prompt_ids) + room > context:
         raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the target's context of "
                                f"{context} tokens")
-    committed, cache = list(prompt_ids), DynamicCache()
+    committed, cache = list(prompt_ids), new_cache(target)
     if len(committed) > 1:
         target(input_ids=torch.tensor([committed[:-1]], device=device_of(target)), cache=cache, use_cache=True,
                logits_to_keep=1)

@@ -10,12 +10,13 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.inference.autotune import ConfidenceLength, TreeSizeTuner
 from specdrafter.inference.sampling import SamplingParams, draw
 from specdrafter.inference.tree import TreeShape, grow_dynamic_tree, select_dynamic_tree, tree_attention, tree_positions
+from specdrafter.models.targets import Snapshot, check_tree_draft, drop_last, new_cache, snapshot
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -73,12 +74,12 @@ class DraftModelProposer:
 
     def __init__(self, model: nn.Module):
         self.model = model.eval()
-        self.cache = DynamicCache()
-        self.cached = 0
+        self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        self.cache = new_cache(self.model)
         self.cached = 0
+        self.saved: Dict[int, Snapshot] = {}  # a recurrent draft: its layers' states after each position fed
 
     def observe(self, features: Dict[int, torch.Tensor]) -> None:
         pass
@@ -88,10 +89,14 @@ class DraftModelProposer:
                 generator: Optional[torch.Generator] = None) -> Proposal:
         feed = committed[self.cached:]  # tokens the draft has not seen yet (at least the newest one)
         tokens, rows = [], []
+        self.saved.clear()
         for step in range(k):
             ids = torch.tensor([feed], device=device_of(self.model))  # [1, n]
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1].cpu()  # [V]
             self.cached += len(feed)
+            state = snapshot(self.cache)  # None unless the draft has recurrent layers
+            if state is not None:
+                self.saved[self.cached] = state
             token, q = draw(logits, params, generator)
             tokens.append(token)
             rows.append(q)
@@ -101,7 +106,7 @@ class DraftModelProposer:
     def rollback(self, num_committed: int) -> None:
         # keep at most the committed prefix minus the newest token (it is fed at the next propose)
         keep = min(self.cached, num_committed - 1)
-        self.cache.crop(-(self.cached - keep))  # rollback: drop rejected drafts
+        drop_last(self.cache, self.cached - keep, self.saved.get(keep))  # rollback: drop rejected drafts
         self.cached = keep
 
 
@@ -143,6 +148,7 @@ class DraftModelTreeProposer(DraftModelProposer):
     tree_size = None  # a static tree is verified whole
 
     def __init__(self, model: nn.Module, shape: TreeShape):
+        check_tree_draft(model.config)
         super().__init__(model)
         self.shape = shape
         self.max_tree_size = shape.size
@@ -189,6 +195,7 @@ class DynamicTreeProposer(DraftModelProposer):
                  tree_size: Optional[TreeSizeTuner] = None):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
+        check_tree_draft(model.config)
         super().__init__(model)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.tree_size = tree_size  # verify only as many of the total_tokens candidates as pay (None: all)

@@ -1,0 +1,131 @@
+"""What differs by target architecture, in one place: the layer types a decoding loop must treat differently, the cache
+that holds them, how it rolls back after a rejection, and the tree masks each layer type needs.
+
+Three kinds of layer matter to speculative decoding (transformers names them in `config.layer_types`):
+- `full_attention`: the KV cache is cropped back to the committed prefix after a rejection; a draft tree is verified in
+  one pass with a 4D mask (each node sees the past and its ancestors);
+- `sliding_attention` (Mistral, Gemma 3, gpt-oss): the same, but a node at position p sees only keys at positions
+  > p − window. A tree mask that ignored the window would let those layers attend further back than they were trained
+  to: silently wrong logits. The cache keeps every position (a plain DynamicCache); the masks apply the window.
+- `linear_attention` (Qwen3-Next's Gated DeltaNet): a recurrent state over the sequence, not a cache of positions. It
+  cannot be cropped, so a chain rolls back by restoring the state saved before the verify pass and feeding the kept
+  tokens again (one extra pass of accepted + 1 tokens per rejecting cycle); a tree cannot be verified in one pass (the
+  recurrence runs in sequence order, blind to a tree mask), so tree decoding is refused for such a target.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Union
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+from specdrafter.core.io import SpecdrafterError
+
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+
+
+def layer_types(config) -> List[str]:
+    """The attention type of each layer: `config.layer_types` where the config has it, else every layer sliding when
+    the config sets a sliding window it uses (Mistral), else every layer full."""
+    config = getattr(config, "text_config", None) or config
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return [SLIDING if window else FULL] * config.num_hidden_layers
+
+
+def sliding_window(config) -> Optional[int]:
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "sliding_window", None) if SLIDING in layer_types(config) else None
+
+
+def recurrent(config) -> bool:
+    """The target has layers whose state cannot be cropped back (linear attention)."""
+    return LINEAR in layer_types(config)
+
+
+def new_cache(model) -> DynamicCache:
+    """The cache a decoding loop fills for `model`: a plain DynamicCache of every position, except for a model with
+    recurrent layers, whose cache must hold their states (transformers builds it from the config)."""
+    config = getattr(model, "config", None)
+    return DynamicCache(config=config) if config is not None and recurrent(config) else DynamicCache()
+
+
+# ------------------------------------------------------------------------------------------------ rollback
+Snapshot = Dict[int, tuple]  # layer index → (conv states, recurrent states) of a linear-attention layer
+
+
+def snapshot(cache: DynamicCache) -> Optional[Snapshot]:
+    """The recurrent layers' states, saved before a verify pass (None: the cache has none, cropping suffices)."""
+    saved = {i: ({s: t.clone() for s, t in layer.conv_states.items() if t is not None},
+                 {s: t.clone() for s, t in layer.recurrent_states.items() if t is not None})
+             for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+    return saved or None
+
+
+def drop_last(cache: DynamicCache, n: int, saved: Optional[Snapshot]) -> None:
+    """Remove the last `n` positions of the verify pass from the cache: attention layers are cropped; recurrent layers
+    go back to `saved` (their state before the whole pass, which the caller then feeds its kept tokens again)."""
+    if saved is None:
+        if n:
+            cache.crop(-n)
+        return
+    for i, layer in enumerate(cache.layers):
+        if i in saved:
+            conv, rec = saved[i]
+            layer.conv_states.update({s: t.clone() for s, t in conv.items()})
+            layer.recurrent_states.update({s: t.clone() for s, t in rec.items()})
+        if isinstance(layer, DynamicLayer) and n:  # an attention layer (or the attention half of a hybrid layer)
+            DynamicLayer.crop(layer, -n)
+
+
+def rollback(target, cache: DynamicCache, ids: torch.Tensor, keep: int, saved: Optional[Snapshot]) -> None:
+    """After a verify pass over `ids` [1, n], keep its first `keep` positions in the cache. Attention layers are
+    cropped; a target with recurrent layers is put back to `saved` and fed ids[:, :keep] again."""
+    n = ids.shape[1]
+    if saved is None:
+        drop_last(cache, n - keep, None)
+        return
+    if keep == n:
+        return
+    drop_last(cache, n, saved)
+    target(input_ids=ids[:, :keep], cache=cache, use_cache=True, logits_to_keep=1)
+
+
+# ------------------------------------------------------------------------------------------------- trees
+def check_tree_target(config) -> None:
+    """A draft tree is verified in one masked pass: every layer must attend through a mask."""
+    if recurrent(config):
+        kind = getattr(config, "model_type", "this target")
+        raise SpecdrafterError(f"tree verification needs every layer to attend through a mask, and {kind} has "
+                               "linear-attention layers (a recurrent state read in sequence order): decode it with a "
+                               "chain (inference.tree=[], inference.dynamic_tree.total_tokens=0; eval.verifiers=[chain])")
+
+
+def check_tree_draft(config) -> None:
+    """A draft model drafts a tree level by level with a plain 4D mask: full-attention layers only."""
+    other = sorted(set(layer_types(config)) - {FULL})
+    if other:
+        kind = getattr(config, "model_type", "this draft model")
+        raise SpecdrafterError(f"drafting a tree with a draft model needs full-attention layers only, and {kind} has "
+                               f"{' and '.join(other)} layers: draft a chain with it (inference.tree=[], "
+                               "inference.dynamic_tree.total_tokens=0)")
+
+
+def tree_masks(config, allowed: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The additive 4D mask(s) [1, 1, Q, K] of a tree pass: `allowed` [Q, K] (past + ancestors), and for sliding
+    layers also key position > query position − window. One mask when every layer has one type; else one per layer
+    type, as the models with mixed layers take them (gpt-oss, Gemma 3: {"full_attention": ..., "sliding_attention": ...})."""
+    def additive(ok: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None]
+
+    types = set(layer_types(config))
+    masks = {FULL: additive(allowed)} if FULL in types else {}
+    if SLIDING in types:
+        window = sliding_window(config)
+        masks[SLIDING] = additive(allowed & (key_positions[None, :] > query_positions[:, None] - window))
+    return next(iter(masks.values())) if len(masks) == 1 else masks

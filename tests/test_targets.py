@@ -1,0 +1,160 @@
+"""The targets people bring (models/targets.py), each a tiny random model of the real architecture built by
+transformers from its own config class, its features on: MoE routing (Qwen3-MoE, gpt-oss, DeepSeek-V3), sliding
+windows narrower than the test's sequence (Mistral, Gemma 3, gpt-oss: window 8 over 20-token prompts), attention sinks
+(gpt-oss), MLA (DeepSeek-V3), linear-attention layers (Qwen3-Next). Through the real loops, rejections and rollbacks
+included: greedy chain and tree decoding equal the target's own greedy decoding; at T = 1 the first two tokens follow
+the target's law (χ², level 1e-4); a tree pass's logits equal a chain recompute (the sliding window applied to tree
+masks); a tree over linear-attention layers is refused in one line."""
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_first_two_tokens_follow, sample_first_two_through_the_loop
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DynamicCache,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
+
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.inference.decode import speculative_generate, tree_pass, tree_speculative_generate
+from specdrafter.inference.eagle import EagleProposer
+from specdrafter.inference.proposers import DraftModelProposer, DraftModelTreeProposer
+from specdrafter.inference.sampling import SamplingParams
+from specdrafter.inference.tree import tree_from_choices
+from specdrafter.models.eagle import Eagle3Head, eagle3_config
+from specdrafter.models.targets import LINEAR, SLIDING, layer_types
+
+V = 16  # a vocabulary small enough for the χ² test's V² cells
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+WINDOW = 8
+ARCHS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=WINDOW,
+                                       layer_types=["sliding_attention", "full_attention"] * 2),
+    "gpt_oss": lambda: GptOssConfig(**COMMON, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                                    num_experts_per_tok=2),
+    "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                            n_group=1, topk_group=1),
+    "qwen3_next": lambda: Qwen3NextConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                                          linear_key_head_dim=16, linear_value_head_dim=16),
+}
+PROMPT = [3 + (7 * i) % (V - 3) for i in range(20)]  # 20 tokens: longer than the window
+NEW = 40
+TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(ARCHS[name]()).eval()
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {name: build(name) for name in ARCHS}
+
+
+def near_copy(model, noise: float = 0.02):
+    """The model with every weight perturbed (seeded): it drafts mostly what the model would, so drafts are partly
+    accepted — rollbacks after an accepted prefix run, and for Qwen3-Next the draft's own recurrent rollback too."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g) * (p.std() if p.numel() > 1 else 1.0))
+    return draft.eval()
+
+
+@torch.no_grad()
+def greedy(model, prompt, n):
+    """The target's own greedy decoding of n tokens, recomputed from scratch at every step (no cache, no EOS)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_each_architecture_has_its_features_on(targets):
+    assert layer_types(targets["mistral"].config) == [SLIDING] * 4
+    assert SLIDING in layer_types(targets["gpt_oss"].config) and "full_attention" in layer_types(targets["gpt_oss"].config)
+    assert layer_types(targets["gemma3"].config) == [SLIDING, "full_attention"] * 2
+    assert LINEAR in layer_types(targets["qwen3_next"].config)
+    assert targets["deepseek_v3"].config.kv_lora_rank == 16 and targets["qwen3_moe"].config.num_experts == 4
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_greedy_chain_equals_the_targets_own_decoding(targets, name):
+    target = targets[name]
+    reference = greedy(target, PROMPT, NEW)
+    accepted = []
+    for k, proposer in ((3, DraftModelProposer(near_copy(target))), (2, DraftModelProposer(build("llama")))):
+        result = speculative_generate(target, proposer, PROMPT, NEW, SamplingParams(0.0), k, [])
+        assert result.tokens == reference
+        accepted += [c.accepted for c in result.cycles]
+    assert 0 in accepted and any(0 < a for a in accepted)  # rejections (rollbacks) and accepted drafts both ran
+
+
+@pytest.mark.parametrize("name", [n for n in ARCHS if n != "qwen3_next"])
+def test_greedy_tree_equals_the_targets_own_decoding_and_its_logits_a_chain_recompute(targets, name):
+    target = targets[name]
+    reference = greedy(target, PROMPT, NEW)
+    shape = tree_from_choices(TREE)
+    result = tree_speculative_generate(target, DraftModelTreeProposer(build("llama"), shape), PROMPT, NEW)
+    assert result.tokens == reference
+    cache, tokens = DynamicCache(), torch.tensor([PROMPT[-1], 5, 6, 7, 8, 9])
+    with torch.no_grad():
+        target(input_ids=torch.tensor([PROMPT[:-1]]), cache=cache, use_cache=True)
+        logits = tree_pass(target, cache, shape, tokens, len(PROMPT) - 1)
+        for node in range(shape.size):
+            path, j = [], node
+            while j > 0:
+                path.append(int(tokens[j]))
+                j = shape.parents[j]
+            chain = target(input_ids=torch.tensor([PROMPT + path[::-1]])).logits[0, -1]
+            torch.testing.assert_close(logits[node], chain, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tree_over_linear_attention_layers_is_refused_in_one_line(targets):
+    proposer = DraftModelTreeProposer(build("llama"), tree_from_choices(TREE))
+    with pytest.raises(SpecdrafterError, match=r"^tree verification needs every layer to attend through a mask, and "
+                                               r"qwen3_next has linear-attention layers .*decode it with a chain"):
+        tree_speculative_generate(targets["qwen3_next"], proposer, PROMPT, 4)
+    with pytest.raises(SpecdrafterError, match=r"^drafting a tree with a draft model needs full-attention layers only, "
+                                               r"and mistral has sliding_attention layers"):
+        DraftModelTreeProposer(targets["mistral"], tree_from_choices(TREE))
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt_oss", "deepseek_v3", "qwen3_next"])  # window, sinks, MLA, recurrence
+def test_sampling_at_temperature_1_follows_the_targets_law(targets, name):
+    target, n = targets[name], 1200
+    counts, accepted, drafted = sample_first_two_through_the_loop(target, DraftModelProposer(near_copy(target, 0.3)),
+                                                                  PROMPT, n, tree=False)
+    assert 0 < accepted < drafted  # both the acceptance and the residual paths ran
+    assert_first_two_tokens_follow(target, PROMPT, counts, n)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_an_eagle3_head_reads_each_architecture_and_decodes_exactly(targets, name):
+    """The head's features are the inputs to the aux layers (pre-hooks on the decoder layers): it builds and decodes
+    greedy-exactly on every architecture, rollbacks included."""
+    target = targets[name]
+    torch.manual_seed(1)
+    head = Eagle3Head(eagle3_config(target.config, [1, 2, 4], V)).eval()
+    result = speculative_generate(target, EagleProposer(head, target), PROMPT, NEW, SamplingParams(0.0), 3, [])
+    assert result.tokens == greedy(target, PROMPT, NEW)
