@@ -1,27 +1,41 @@
 """Is llama.cpp's speculative sampling exact at T = 1? A χ² test of the first two tokens' joint law through llama-server,
 with and without a drafter, against the target's own law computed exactly (float64, from the HF model).
 
-    python benchmarks/llamacpp_sampling.py [--samples 3000] [--kind eagle3|dspark] [--out runs/llamacpp-sampling]
+    python benchmarks/llamacpp_sampling.py [--samples 3000] [--kind eagle3|dspark] [--noise 0.1]
+                                           [--out runs/llamacpp-sampling]
 
-Two arms: the target alone, and a random drafter of the kind (its drafts are all rejected, so this tests the residual
-path only; a drafter that gets accepted is still to be added — the target as its own `--spec-type draft` model did not
-start the server). A tiny random target (6 layers, width 64, SmolLM2's tokenizer,
-its lm_head sharpened so that a few dozen token pairs carry most of the mass) is converted to GGUF; the random
-drafter is exported with `--format gguf`. Each request samples five tokens, of which the first two are counted (the
-server drafts only while more than one token remains), with every sampler but the temperature off (top-k 0, top-p 1,
-min-p 0) and its own seed. Pairs expected fewer than 5 times are pooled into one bin. Prints and writes result.json:
-per arm the χ² statistic, degrees of freedom, p-value, and the server's drafted / accepted counts.
-Needs `specdrafter-llamacpp install`; runs one server at a time, one thread.
+A tiny random target (6 layers, width 64, SmolLM2's tokenizer, its lm_head sharpened so that a few dozen token pairs
+carry most of the mass) is converted to GGUF. Arms, each a fresh llama-server (one at a time, one thread), and each
+drafter under both of llama.cpp's `--spec-draft-sampling` modes: `greedy` (the default: the draft is its argmax, the
+target samples each position and keeps the draft while they agree, "sample and match") and `probabilistic` (the draft
+samples its own top-10 at the request's temperature and the target accepts with probability min(1, p/q), else draws
+from norm(max(0, p − q)): rejection sampling):
+
+- the target alone;
+- a random drafter of `--kind` (exported with `--format gguf`): its drafts are all rejected, the residual path only;
+- the target as its own draft model (`--spec-type draft-simple`, `-md` the same GGUF): drafts accepted often;
+- the target with Gaussian noise added to every weight (σ = `--noise` × that tensor's std, seed 1) as the draft
+  model: acceptance mid-range, so acceptance and the residual draw are both exercised.
+
+Each request samples five tokens, of which the first two are counted (the server drafts only while more than one token
+remains: after the prompt pass's first token, 4 remain, so the second token is verified against a 3-token draft),
+with every sampler but the temperature off (`LlamaServer.complete`: top-k 0, top-p 1, min-p 0, samplers
+["temperature"]) and its own seed (request i has seed i, in every arm). Before counting, each drafting arm is probed
+with n_predict 3: the server can draft only after the first token (2 remain, so a 1-token draft), so a reply with
+draft_n 1 shows that the second token itself was verified against a draft (and draft_n_accepted, how often
+that draft was accepted). Only `draft-simple` (and MTP) give the verifier the draft's q: with EAGLE-3, DFlash or
+DSpark, `probabilistic` silently falls back to sample and match. Pairs expected fewer than 5 times are pooled into
+one bin. Writes result.json and result.md to --out: per arm the χ² statistic, degrees of
+freedom, p-value, the server's drafted / accepted counts (`timings.draft_n`, `draft_n_accepted`, summed over the
+requests, all drafted positions) and the fraction of seeds whose pair equals the target alone's.
+Needs `specdrafter-llamacpp install`.
 """
 
 import argparse
+import copy
 import json
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -34,6 +48,7 @@ from specdrafter.core import llamacpp
 from specdrafter.data.assets import ensure_smollm2
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE
+from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, build_drafter
 
@@ -43,6 +58,10 @@ PROMPT = list(range(200, 216))
 # The server drafts only while more than one token remains to be generated: with 5 asked, the second token (and the
 # rest) is verified against a draft; the first two are counted.
 N_PREDICT = 5
+N_MAX = 3
+PROBES = 100
+ALPHA = 0.001
+MODES = ("greedy", "probabilistic")
 
 
 def tiny_target(folder: Path):
@@ -56,6 +75,17 @@ def tiny_target(folder: Path):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return model.eval(), tok
+
+
+def perturbed(model, tok, folder: Path, noise: float, seed: int = 1) -> None:
+    """The target with N(0, (noise · std(W))²) added to every weight W (seeded), saved to `folder`."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * noise * weight.std())
+    draft.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def exact_law(model, n: int) -> dict:
@@ -85,39 +115,26 @@ def drafter_gguf(kind: str, target_dir: Path, tok, root: Path) -> Path:
     return export(root / "run", "gguf", root / "gguf") / DRAFT_FILE
 
 
-def sample_pairs(args: list, n: int) -> tuple:
-    """(Counter of the first two tokens over n seeded requests, {"drafted", "accepted"} summed over them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(llamacpp.binary("llama-server")), *args, "--port", str(port), "-t", "1", "-c", "256"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    counts, drafts = Counter(), {"drafted": 0, "accepted": 0}
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    sys.exit("llama-server did not start")
-                time.sleep(0.2)
-        for i in range(n):
-            body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                    "typical_p": 1.0, "repeat_penalty": 1.0, "seed": i, "samplers": ["temperature"],
-                    "return_tokens": True, "cache_prompt": False}
-            reply = urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}))
-            answer = json.loads(reply.read())
-            counts[tuple(answer["tokens"][:2])] += 1
-            drafts["drafted"] += answer["timings"].get("draft_n", 0)
-            drafts["accepted"] += answer["timings"].get("draft_n_accepted", 0)
-            if (i + 1) % 500 == 0:
-                print(f"  {i + 1}/{n}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    return counts, drafts
+def sample_pairs(server: LlamaServer, n: int) -> tuple:
+    """([the first two tokens of request i, seed i] for i < n, {"drafted", "accepted"} summed over them)."""
+    pairs, drafts = [], {"drafted": 0, "accepted": 0}
+    for i in range(n):
+        timings = (answer := server.complete(PROMPT, N_PREDICT, temperature=1.0, seed=i))["timings"]
+        pairs.append(tuple(answer["tokens"][:2]))
+        drafts["drafted"] += timings.get("draft_n", 0)
+        drafts["accepted"] += timings.get("draft_n_accepted", 0)
+        if (i + 1) % 1000 == 0:
+            print(f"  {i + 1}/{n}", flush=True)
+    return pairs, drafts
+
+
+def second_token_drafted(server: LlamaServer) -> tuple:
+    """(The fraction of n_predict-3 requests, seeds unlike the counted ones', whose second token was drafted, the
+    fraction whose draft of it was accepted): after the first token 2 remain, so the server drafts 1; after the
+    second, 1 remains and it drafts none."""
+    replies = [server.complete(PROMPT, 3, temperature=1.0, seed=10**6 + i)["timings"] for i in range(PROBES)]
+    return (sum(timings.get("draft_n", 0) == 1 for timings in replies) / PROBES,
+            sum(timings.get("draft_n_accepted", 0) for timings in replies) / PROBES)
 
 
 def chi2(counts: Counter, law: dict, n: int) -> dict:
@@ -132,32 +149,81 @@ def chi2(counts: Counter, law: dict, n: int) -> dict:
             "pooled_mass": round(expected[-1] / n, 4)}
 
 
+def markdown(result: dict) -> str:
+    lines = ["# llama-server's first two tokens at T = 1 against the target's exact law",
+             "",
+             f"{result['samples']:,} seeded requests per arm, llama.cpp {result['llama.cpp']}, one thread; "
+             f"{result['bins'] - 1} pairs expected ≥ 5 times ({1 - result['pooled_mass']:.1%} of the mass), the rest "
+             f"pooled; α = {ALPHA}. Command: `{result['command']}`",
+             "",
+             "| arm | χ² | dof | p | drafted / accepted | acceptance | 2nd token drafted / accepted (probe) | seeds with "
+             "the target alone's pair |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, r in result["arms"].items():
+        drafted = f"{r['drafted']:,} / {r['accepted']:,}" if r["drafted"] else "—"
+        rate = f"{r['acceptance']:.3f}" if r["drafted"] else "—"
+        probe = ("—" if r["second_token_drafted"] is None else
+                 f"{r['second_token_drafted']:.0%} / {r['second_token_accepted']:.0%}")
+        lines.append(f"| {arm} | {r['chi2']:.2f} | {r['dof']} | {r['p_value']:.3g} | {drafted} | {rate} | {probe} | "
+                     f"{round(r['same_as_target'] * result['samples']):,} / {result['samples']:,} |")
+    worst = min(r["p_value"] for r in result["arms"].values())
+    lines += ["", f"Smallest p: {worst:.3g} ({'not ' if worst >= ALPHA else ''}below α = {ALPHA}).", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--kind", default="eagle3", choices=("eagle3", "dspark"))
+    parser.add_argument("--noise", type=float, default=0.1, help="the perturbed draft model's σ ÷ each weight's std")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "llamacpp-sampling")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="llamacpp-sampling-"))
-    model, tok = tiny_target(root / "target")
-    law = exact_law(model, args.samples)
-    print(f"{len(law)} pairs expected >= 5 times, {sum(law.values()):.3f} of the mass", flush=True)
-    target_gguf = root / "target.gguf"
-    llamacpp.convert(root / "target", target_gguf)
-    draft = drafter_gguf(args.kind, root / "target", tok, root)
-    spec = KINDS[args.kind].export.llamacpp.spec_type
-    result = {"samples": args.samples, "kind": args.kind, "llama.cpp": llamacpp.SDIST.version}
-    arms = {"target alone": [],
-            f"with {args.kind} ({spec}, n_max 3)": ["-md", str(draft), "--spec-type", spec, "--spec-draft-n-max", "3"]}
-    for arm, extra in arms.items():
-        print(arm, flush=True)
-        counts, drafts = sample_pairs(["-m", str(target_gguf), *extra], args.samples)
-        result[arm] = {**chi2(counts, law, args.samples), **drafts, "pairs": {f"{a},{b}": c for (a, b), c in
-                                                                             counts.most_common(5)}}
-        print(f"  {result[arm]}", flush=True)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="llamacpp-sampling-") as tmp:
+        root = Path(tmp)
+        model, tok = tiny_target(root / "target")
+        law = exact_law(model, args.samples)
+        print(f"{len(law)} pairs expected >= 5 times, {sum(law.values()):.3f} of the mass", flush=True)
+        target_gguf = root / "target.gguf"
+        llamacpp.convert(root / "target", target_gguf)
+        perturbed(model, tok, root / "perturbed", args.noise)
+        noisy_gguf = root / "perturbed.gguf"
+        llamacpp.convert(root / "perturbed", noisy_gguf)
+        random_gguf = drafter_gguf(args.kind, root / "target", tok, root)
+        spec = KINDS[args.kind].export.llamacpp.spec_type
+        drafters = {f"random {args.kind} ({spec})": (random_gguf, spec),
+                    "target as draft model (draft-simple)": (target_gguf, "draft-simple"),
+                    f"target + noise σ={args.noise} as draft model (draft-simple)": (noisy_gguf, "draft-simple")}
+        arms = {"target alone": {}}
+        arms.update({f"{name}, {mode}": {"draft": gguf, "spec_type": spec_type, "n_max": N_MAX, "p_min": 0.0,
+                                         "extra": ["--spec-draft-sampling", mode]}
+                     for name, (gguf, spec_type) in drafters.items() for mode in MODES})
+        result = {"samples": args.samples, "kind": args.kind, "noise": args.noise, "n_predict": N_PREDICT,
+                  "n_max": N_MAX, "alpha": ALPHA, "llama.cpp": llamacpp.SDIST.version,
+                  "command": f"python benchmarks/llamacpp_sampling.py --samples {args.samples} --kind {args.kind} "
+                             f"--noise {args.noise}", "arms": {}}
+        alone = None
+        for arm, server_args in arms.items():
+            print(arm, flush=True)
+            with LlamaServer(target_gguf, threads=1, context=256, **server_args) as server:
+                probe, probe_accepted = second_token_drafted(server) if server_args else (None, None)
+                pairs, drafts = sample_pairs(server, args.samples)
+            alone = alone or pairs
+            counts = Counter(pairs)
+            test = chi2(counts, law, args.samples)
+            result.update(bins=test.pop("bins"), pooled_mass=test.pop("pooled_mass"))
+            result["arms"][arm] = {
+                **test, **drafts, "acceptance": round(drafts["accepted"] / drafts["drafted"], 4) if drafts["drafted"]
+                else None, "second_token_drafted": probe, "second_token_accepted": probe_accepted,
+                "same_as_target": sum(a == b for a, b in zip(pairs, alone)) / args.samples,
+                "pairs": {f"{a},{b}": c for (a, b), c in counts.most_common(5)}}
+            print(f"  {result['arms'][arm]}", flush=True)
+    result["seconds"] = round(time.monotonic() - start)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out / 'result.json'}")
+    (args.out / "result.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    (args.out / "result.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {args.out / 'result.json'}, {args.out / 'result.md'}")
 
 
 if __name__ == "__main__":
