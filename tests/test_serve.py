@@ -60,7 +60,7 @@ def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of):
             assert time.time() < deadline, "the server did not come up"
             time.sleep(0.5)
     job.send_signal(signal.SIGINT)
-    assert job.wait(timeout=60) == 130
+    assert job.wait(timeout=180) == 130
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
     left = [cmd for cmd in Path("/proc").glob("[0-9]*/cmdline")
