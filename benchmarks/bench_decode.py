@@ -31,7 +31,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -53,7 +53,7 @@ from specdrafter.eval.acceptance import (
     spread_label,
 )
 from specdrafter.eval.report import machine_line
-from specdrafter.export.serve import check_pair, plan, resolve_drafter, target_gguf
+from specdrafter.export.serve import gguf_pair, plan
 from specdrafter.export.source import target_of
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import GenerationResult
@@ -338,10 +338,7 @@ def llamacpp_rows(cfg: DictConfig, args, prompts: List[List[int]]) -> List[dict]
         if KINDS[name].export.llamacpp is None or path is None:
             print(f"llama.cpp: no {name} drafter there, skipped", file=sys.stderr)
             continue
-        drafter = resolve_drafter(Path(path))
-        drafter.target_folder = folder
-        target = target_gguf(folder)
-        check_pair(drafter, target)
+        drafter, target = gguf_pair(Path(path), folder)
         cal = plan(drafter, target, args.llamacpp_threads)
         choice = cal.choose()
         ks = sorted({k for k in (cfg.inference.k, choice.k) if k != "auto" and k <= drafter.max_k})
@@ -349,9 +346,7 @@ def llamacpp_rows(cfg: DictConfig, args, prompts: List[List[int]]) -> List[dict]
             for k in ks:
                 arm = llama_arm.side_by_side(target, drafter.gguf, drafter.spec_type, k, prompts, args.max_new_tokens, t,
                                    args.llamacpp_threads, "f32", cal, log=lambda line: print(line, file=sys.stderr))
-                rows.append({"arm": f"{name}_llamacpp", "chosen": k == choice.k, "plan_pays": choice.pays,
-                             **{key: value for key, value in arm.__dict__.items() if key != "departures"},
-                             "departures": arm.departures,
+                rows.append({"arm": f"{name}_llamacpp", "chosen": k == choice.k, "plan_pays": choice.pays, **asdict(arm),
                              "measured_over_predicted": round(arm.speedup_median / arm.predicted_speedup, 3)})
                 print(f"llama.cpp {name} T={t:g} k={k}: {arm.speedup_median}× (predicted {arm.predicted_speedup}×)",
                       file=sys.stderr)

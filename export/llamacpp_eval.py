@@ -39,26 +39,23 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import EvalEngine
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets, run_eval
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
-from specdrafter.export.serve import Drafter, check_pair, plan, resolve_drafter, target_gguf
+from specdrafter.export.serve import Drafter, gguf_pair, plan
 from specdrafter.export.source import target_of
 from specdrafter.jobs.cli import cli
 from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")
-ENGINE = "llama.cpp"
-
-
-def wants_llamacpp(cfg: DictConfig) -> bool:
-    return ENGINE in [e.value for e in cfg.eval.engines]
+ENGINE = EvalEngine.llamacpp.value
 
 
 def prepare(cfg: DictConfig):
-    """(the drafter GGUF, the target GGUF) of the newest checkpoint, checked as a pair; one line if llama.cpp
+    """(the newest checkpoint, its drafter as GGUF, the target as GGUF), checked as a pair; one line if llama.cpp
     cannot serve the recipe's drafter."""
     kind = kind_of(cfg)
     if kind.export.llamacpp is None:
@@ -69,11 +66,7 @@ def prepare(cfg: DictConfig):
     if folder is None:
         raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
                                "this machine")
-    drafter = resolve_drafter(newest.drafter)
-    drafter.target_folder = folder
-    target = target_gguf(folder, cfg.eval.llamacpp.outtype.value)
-    check_pair(drafter, target)
-    return newest, drafter, target
+    return (newest, *gguf_pair(newest.drafter, folder, cfg.eval.llamacpp.outtype.value))
 
 
 def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
@@ -118,6 +111,8 @@ def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
         first = next(Departure(**d) for d in failed[0]["departures"] if not d["tie"])
         raise InexactVerifier(f"llama.cpp departed from target-only decoding at a clear margin in {len(failed)} "
                               f"cell(s), first in {failed[0]['id']} at {first.line()} (see {out / 'report.md'})")
+    for line in both_speedups(results.data):
+        log.info(line)
     return out
 
 
@@ -170,13 +165,10 @@ def both_speedups(data: dict) -> List[str]:
 
 def evaluate(cfg: DictConfig) -> Path:
     """The eval job with every engine of eval.engines: llama.cpp's arm prepared first, the loop's cells, the arm."""
-    arm = prepare(cfg) if wants_llamacpp(cfg) else None
-    out = run_eval(cfg) if "loop" in [e.value for e in cfg.eval.engines] else None
-    if arm is not None:
-        out = run_arm(cfg, *arm)
-        for line in both_speedups(Results(out, cfg).data):
-            log.info(line)
-    return out
+    engines = set(cfg.eval.engines)
+    arm = prepare(cfg) if EvalEngine.llamacpp in engines else None
+    out = run_eval(cfg) if EvalEngine.loop in engines else None
+    return run_arm(cfg, *arm) if arm is not None else out
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -136,6 +136,15 @@ def check_pair(drafter: Drafter, target: Path) -> dict:
     return t
 
 
+def gguf_pair(drafter_path: Path, target_folder: Path, outtype: str = "f32") -> Tuple[Drafter, Path]:
+    """A drafter (checkpoint, export or GGUF) and its target converted to GGUF, checked as a pair."""
+    drafter = resolve_drafter(Path(drafter_path))
+    drafter.target_folder = target_folder
+    target = target_gguf(target_folder, outtype)
+    check_pair(drafter, target)
+    return drafter, target
+
+
 def plan_prompts(folder: Optional[Path]) -> List[List[int]]:
     """MT-Bench's first PLAN_PROMPTS prompts in the target's chat template (its tokenizer from its HF folder)."""
     if folder is None:

@@ -19,7 +19,7 @@ from specdrafter.core.recipe import ASDConfig
 from specdrafter.inference.autotune import BlockLengthTuner
 from specdrafter.inference.proposers import Proposer, TreeProposer, device_of
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
-from specdrafter.inference.tree import TreeShape, tree_positions
+from specdrafter.inference.tree import TreeShape, tree_allowed, tree_positions
 from specdrafter.inference.verify import (
     RegretLedger,
     Verdict,
@@ -222,8 +222,8 @@ def tree_pass(target: nn.Module, cache: DynamicCache, shape, tokens: torch.Tenso
     CPU where the acceptance rule runs."""
     device = device_of(target)
     positions = tree_positions(shape.depths, past)  # [1, N+1]
-    allowed = torch.cat([torch.ones(shape.size, past, dtype=torch.bool), shape.ancestors_mask()], dim=1)
-    masks = tree_masks(target.config, allowed, torch.cat([torch.arange(past), positions[0]]), positions[0])
+    masks = tree_masks(target.config, tree_allowed(shape.ancestors_mask(), past),
+                       torch.cat([torch.arange(past), positions[0]]), positions[0])
     masks = {t: m.to(device) for t, m in masks.items()} if isinstance(masks, dict) else masks.to(device)
     return target(input_ids=tokens[None].to(device), cache=cache, use_cache=True, attention_mask=masks,
                   position_ids=positions.to(device)).logits[0].cpu()

@@ -153,11 +153,15 @@ def cartesian_choices(top_k: Sequence[int]) -> List[List[int]]:
     return out
 
 
+def tree_allowed(shape_mask: torch.Tensor, past_len: int) -> torch.Tensor:
+    """[N+1, past + N+1] bool: every node sees the whole committed past plus itself and its ancestors in the tree."""
+    return torch.cat([torch.ones(shape_mask.shape[0], past_len, dtype=torch.bool), shape_mask], dim=1)
+
+
 def tree_attention(shape_mask: torch.Tensor, past_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """4D additive mask [1, 1, N+1, past + N+1] (0 = attend, -inf = not): every node sees the whole committed
-    past plus itself and its ancestors within the tree. HF Llama accepts it with explicit position_ids."""
-    n = shape_mask.shape[0]
-    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool), shape_mask], dim=1)  # [N+1, past + N+1]
+    """4D additive mask [1, 1, N+1, past + N+1] (0 = attend, -inf = not) of `tree_allowed`. HF Llama accepts it with
+    explicit position_ids (a target with sliding-window layers needs models/targets.py:tree_masks)."""
+    allowed = tree_allowed(shape_mask, past_len)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
