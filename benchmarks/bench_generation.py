@@ -43,8 +43,6 @@ from specdrafter.data.server import ServerEngine
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe
 
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # the recipe's target.dtype → --outtype
-
 
 def hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, batch_size):
     """The old path: `model.generate` per left-padded batch (finished rows keep decoding padding)."""
@@ -90,8 +88,8 @@ def llama_server_arm(model_dir: str, tokenizer, texts: List[str], max_prompt_tok
                                        "not one: pass --gguf TARGET.gguf, or --no-llama-server")
             path = Path(tmp) / "target.gguf"
             start = time.perf_counter()
-            llamacpp.convert(Path(model_dir), path, outtype=GGUF_TYPES[dtype])
-            print(f"llama_server: {model_dir} converted to {GGUF_TYPES[dtype]} GGUF in "
+            llamacpp.convert(Path(model_dir), path, outtype=llamacpp.GGUF_TYPE_OF[dtype])
+            print(f"llama_server: {model_dir} converted to {llamacpp.GGUF_TYPE_OF[dtype]} GGUF in "
                   f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
         else:
             path = Path(gguf)
@@ -106,7 +104,7 @@ def llama_server_arm(model_dir: str, tokenizer, texts: List[str], max_prompt_tok
     tokens = sum(map(len, responses))
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
             "threads": threads, "parallel": parallel, "context": context, "concurrency": parallel,
-            "gguf": str(gguf) if gguf else f"converted from {model_dir} ({GGUF_TYPES[dtype]})",
+            "gguf": str(gguf) if gguf else f"converted from {model_dir} ({llamacpp.GGUF_TYPE_OF[dtype]})",
             "llama_cpp": f"{llamacpp.SDIST.name}=={llamacpp.SDIST.version}",
             "token_ids_from_server": facts["token_ids_from_server"], "request_fields": facts["extra_fields"],
             "skipped_conversations": engine.counters["skipped"]}

@@ -86,6 +86,7 @@ CONVERTER_EXTRA = "pip install -e '.[llamacpp]'"
 CONVERTER_MODULES = ("numpy", "torch", "transformers", "safetensors", "sentencepiece")  # what the converter imports
 
 Log = Callable[[str], None]
+GGUF_TYPE_OF = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # a torch dtype's name → --outtype
 
 
 # ------------------------------------------------------------------------------------------------- paths
@@ -174,6 +175,32 @@ def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtyp
         log.write_text(done.stdout + done.stderr)
         last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
         raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
+
+
+def files_key(files: List[Path], extra: str = "") -> str:
+    """A cache key that changes when any of `files` does (path, size, modification time)."""
+    key = hashlib.sha256(extra.encode())
+    for f in files:
+        key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    return key.hexdigest()
+
+
+def target_gguf(folder: Path, outtype: str = "f32") -> Path:
+    """The target folder converted once into the cache, keyed by its config and weight files; the conversion writes
+    a temporary file and renames it, so a killed one is redone, never served half-written."""
+    folder = Path(folder)
+    key = files_key(sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")))
+    out = cache_dir() / "llama.cpp" / "targets" / f"{folder.name}-{outtype}-{key[:12]}.gguf"
+    if not out.is_file():
+        print(f"converting the target {folder.name} to GGUF ({outtype}) with llama.cpp's converter", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            convert(folder, tmp, outtype=outtype)
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- install

@@ -101,6 +101,7 @@ class DType(Enum):
 class Engine(Enum):
     hf = "hf"  # regenerate in this process (transformers)
     server = "server"  # OpenAI-compatible chat-completions servers: vLLM, SGLang, `transformers serve`
+    llamacpp = "llama.cpp"  # a llama-server of the target that the data job starts and stops itself (jobs/data.py)
 
 
 class ResponseSource(Enum):
@@ -136,6 +137,21 @@ class HiddenStatesConfig:
     batch_size: int = checked(8, AT_LEAST_ONE)
 
 
+class GGUFType(Enum):  # the target GGUF's weights for llama.cpp (convert_hf_to_gguf.py --outtype)
+    f32 = "f32"
+    bf16 = "bf16"
+    f16 = "f16"
+    q8_0 = "q8_0"
+
+
+@dataclass
+class DataLlamaCppConfig:
+    # With data.engine=llama.cpp: the target converted to GGUF once (into the cache) and served by llama-server with
+    # data.concurrency slots for the job's length. Its threads spin: the job should have the machine to itself.
+    threads: int = checked(0, NON_NEGATIVE)  # 0 = every core this process may use
+    outtype: Optional[GGUFType] = None  # None = target.dtype's (f32, bf16, f16); a quantised GGUF is another model
+
+
 SERVER_URL = Rule(lambda v: server_url_problem(v) is None, why=lambda v: f"{v!r} {server_url_problem(v)}")
 
 
@@ -157,7 +173,8 @@ class DataConfig:
     seed: int = checked(0, SEED)
     engine: Engine = Engine.hf
     servers: List[str] = checked([], SERVER_URL)  # with engine=server: base URLs, e.g. http://127.0.0.1:8000
-    concurrency: int = checked(8, AT_LEAST_ONE)  # requests in flight over all servers
+    concurrency: int = checked(8, AT_LEAST_ONE)  # requests in flight over all servers (engine=llama.cpp: its slots)
+    llamacpp: DataLlamaCppConfig = field(default_factory=DataLlamaCppConfig)
     # assistant turns per conversation: each regenerated given the target's own earlier answers
     max_turns: int = checked(1, AT_LEAST_ONE)
     responses: ResponseSource = ResponseSource.target
@@ -408,13 +425,6 @@ class EvalVerifier(Enum):
 class EvalEngine(Enum):
     loop = "loop"  # our decoding loop (eval/job.py)
     llamacpp = "llama.cpp"  # llama-server with the checkpoint's GGUF export, beside the target alone (export/llamacpp_eval.py)
-
-
-class GGUFType(Enum):  # the target GGUF's weights for llama.cpp (convert_hf_to_gguf.py --outtype)
-    f32 = "f32"
-    bf16 = "bf16"
-    f16 = "f16"
-    q8_0 = "q8_0"
 
 
 @dataclass
@@ -678,6 +688,12 @@ def _check_data(cfg: DictConfig) -> None:
     if d.engine.value == "server" and not d.servers:
         raise RecipeError("recipe key 'data.servers' must list at least one server URL with data.engine=server "
                           "(e.g. data.servers=[http://127.0.0.1:8000])")
+    if d.engine.value == "llama.cpp" and d.servers:
+        raise RecipeError("recipe key 'data.servers' is for data.engine=server; data.engine=llama.cpp starts its own "
+                          "llama-server of the target (remove data.servers, or use data.engine=server)")
+    if d.engine.value == "llama.cpp" and d.llamacpp.outtype is not None and d.llamacpp.outtype.value == "q8_0":
+        raise RecipeError("recipe key 'data.llamacpp.outtype': q8_0 would sample a quantised model, not the target "
+                          "(use f32, bf16 or f16, or leave it unset for target.dtype's)")
     if d.responses.value == "mix" and d.target_share is None:
         raise RecipeError("recipe key 'data.target_share' is required with data.responses=mix (the share of "
                           "conversations the target regenerates, in [0, 1])")

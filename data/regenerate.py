@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from specdrafter.core import llamacpp
 from specdrafter.core.io import (
     SpecdrafterError,
     atomic_write_json,
@@ -392,6 +393,9 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     d = OmegaConf.to_container(cfg.data, enum_to_str=True)
     for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency", "workers", "worker"):
         d.pop(k, None)
+    llamacpp = d.pop("llamacpp")
+    if d["engine"] == "llama.cpp":  # the GGUF's weight type decides the law it samples; its threads do not
+        d["llamacpp.outtype"] = llamacpp["outtype"] or llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
             **{f"data.{k}": v for k, v in d.items()}}
 
@@ -481,9 +485,10 @@ def response_source(d: DictConfig, conversation_id: str) -> str:
 
 
 def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int], None]):
-    """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server)."""
+    """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server, and
+    llama.cpp: the llama-server jobs/data.py started, whose URL it put in data.servers)."""
     d = cfg.data
-    if d.engine.value == "server":
+    if d.engine.value in ("server", "llama.cpp"):
         return ServerEngine(list(d.servers), d.concurrency, tokenizer)
     return HFEngine(model, tokenizer, d.batch_size, on_batch)
 

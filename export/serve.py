@@ -21,7 +21,6 @@ width differs from what the drafter was trained on), --k above the drafter's blo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -102,25 +101,6 @@ def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
     return out, target_of(src.recipe).folder
 
 
-def files_key(files: List[Path], extra: str = "") -> str:
-    """A cache key that changes when any of `files` does (path, size, modification time)."""
-    key = hashlib.sha256(extra.encode())
-    for f in files:
-        key.update(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
-    return key.hexdigest()
-
-
-def target_gguf(folder: Path, outtype: str = "f32") -> Path:
-    """The target converted once into the cache, keyed by its config and weight files."""
-    key = files_key(sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")))
-    out = cache_dir() / "llama.cpp" / "targets" / f"{folder.name}-{outtype}-{key[:12]}.gguf"
-    if not out.is_file():
-        print(f"converting the target {folder.name} to GGUF ({outtype}) with llama.cpp's converter", flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        llamacpp.convert(folder, out, outtype=outtype)
-    return out
-
-
 def check_pair(drafter: Drafter, target: Path) -> dict:
     """The target GGUF is the model the drafter was trained for: the same vocabulary, and for a head or a block
     drafter the width of the features it reads. Returns the target's facts."""
@@ -140,7 +120,7 @@ def gguf_pair(drafter_path: Path, target_folder: Path, outtype: str = "f32") -> 
     """A drafter (checkpoint, export or GGUF) and its target converted to GGUF, checked as a pair."""
     drafter = resolve_drafter(Path(drafter_path))
     drafter.target_folder = target_folder
-    target = target_gguf(target_folder, outtype)
+    target = llamacpp.target_gguf(target_folder, outtype)
     check_pair(drafter, target)
     return drafter, target
 
@@ -156,7 +136,7 @@ def plan_prompts(folder: Optional[Path]) -> List[List[int]]:
 
 def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> Calibration:
     """The drafter's calibration on this machine, cached by the two files and the thread count."""
-    key = files_key([target.resolve(), drafter.gguf.resolve()], f"threads={threads}:{llamacpp.SDIST.version}")
+    key = llamacpp.files_key([target.resolve(), drafter.gguf.resolve()], f"threads={threads}:{llamacpp.SDIST.version}")
     cached = cache_dir() / "llama.cpp" / "plans" / f"{key[:16]}.json"
     if cached.is_file() and not fresh:
         try:
@@ -218,7 +198,7 @@ def run(a) -> Optional[Calibration]:
     if a.target_gguf is None and drafter.target_folder is None:
         raise SpecdrafterError("the drafter's target is not on this machine: give it with --target-gguf (and "
                                "--target-dir for its tokenizer)")
-    target = a.target_gguf or target_gguf(drafter.target_folder)
+    target = a.target_gguf or llamacpp.target_gguf(drafter.target_folder)
     check_pair(drafter, target)
     if not a.plan_only and port_in_use(a.port):  # before minutes of measuring
         raise SpecdrafterError(f"port {a.port} is in use (another server?): choose another with --port")

@@ -27,7 +27,9 @@ from specdrafter.data.server import (
     ServerEngine,
     parse_reply,
 )
+import specdrafter.inference.llama_server as llama_server_module
 from specdrafter.inference.llama_server import LlamaServer
+from specdrafter.jobs.data import run_data_job
 from specdrafter.jobs.recipe import load_recipe
 
 needs_llamacpp = pytest.mark.skipif(not llamacpp.installed(),
@@ -186,6 +188,36 @@ def test_the_data_job_regenerates_through_llama_server_and_a_drafter_trains_on_i
         f"output_dir={run}", f"target.model={target_dir}", f"train.data_dir={out}", *TINY_TRAINING]))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+
+
+@needs_llamacpp
+def test_data_engine_llama_cpp_serves_the_target_itself_and_stops_it(server, target_dir, prompt_file, tmp_path,
+                                                                     one_thread):
+    """data.engine=llama.cpp: the job converts the target (into the cache), starts its own llama-server with
+    data.concurrency slots and stops it; at T = 0 its rows are those of the same job sent to a server started by
+    hand (data.engine=server), and a rerun finds every shard made. No server of its own is left running."""
+    greedy = ["data.temperature=0", "data.concurrency=2"]
+    before = set(llama_server_module._RUNNING)  # the module's own server
+    by_hand = generate_dataset(small_data_recipe(tmp_path / "by-hand", target_dir, prompt_file, "data.engine=server",
+                                                 f"data.servers=[{server.url}]", *greedy))
+    cfg = small_data_recipe(tmp_path / "own", target_dir, prompt_file, "data.engine=llama.cpp",
+                            "data.llamacpp.threads=1", *greedy)
+    own = run_data_job(cfg)
+    assert own["this_run"]["engine"]["servers"][0]["engine"] == LLAMA_SERVER and set(llama_server_module._RUNNING) == before
+    assert own["conversations"] == by_hand["conversations"] == 8
+    assert load_generated(tmp_path / "own")["input_ids"] == load_generated(tmp_path / "by-hand")["input_ids"]
+    again = run_data_job(small_data_recipe(tmp_path / "own", target_dir, prompt_file, "data.engine=llama.cpp",
+                                           "data.llamacpp.threads=1", *greedy))
+    assert again["this_run"]["generated_conversations"] == 0 and set(llama_server_module._RUNNING) == before
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["data.servers=[http://127.0.0.1:8080]"], "data.servers' is for data.engine=server"),
+    (["data.llamacpp.outtype=q8_0"], "q8_0 would sample a quantised model"),
+])
+def test_data_engine_llama_cpp_bad_settings_are_one_line(tmp_path, target_dir, prompt_file, extra, says):
+    with pytest.raises(SpecdrafterError, match=says):
+        small_data_recipe(tmp_path / "data", target_dir, prompt_file, "data.engine=llama.cpp", *extra)
 
 
 @needs_llamacpp

@@ -18,7 +18,7 @@ from transformers import LlamaForCausalLM
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.eval.llamacpp import first_difference, side_by_side
-from specdrafter.export.serve import main, resolve_drafter, target_gguf
+from specdrafter.export.serve import main, resolve_drafter
 from specdrafter.inference.llama_server import LlamaServer, ServerDied, free_port
 
 pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
@@ -98,7 +98,7 @@ def test_a_target_gguf_of_another_model_is_one_line(capsys, tmp_path, drafter_ru
     other.save_pretrained(tmp_path / "other")
     smollm2_tokenizer.save_pretrained(tmp_path / "other")
     line = refusal([str(drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")), "--k", "1",
-                            "--target-gguf", str(target_gguf(tmp_path / "other")), "--plan-only"])
+                            "--target-gguf", str(llamacpp.target_gguf(tmp_path / "other")), "--plan-only"])
     assert line == ("error: the target GGUF is 32 wide and the drafter reads features 64 wide: not the target it was "
                     "trained for")
 
@@ -110,7 +110,7 @@ def test_a_kind_llamacpp_cannot_serve_is_one_line(capsys, drafter_run_of):
 
 def test_a_server_that_dies_mid_run_is_one_line(drafter_run_of):
     drafter = resolve_drafter(drafter_run_of("dspark"))
-    with LlamaServer(target_gguf(drafter.target_folder)) as server:
+    with LlamaServer(llamacpp.target_gguf(drafter.target_folder)) as server:
         assert len(server.complete([100, 101, 102], 4)["tokens"]) == 4
         server.process.kill()
         server.process.wait()
@@ -130,7 +130,7 @@ def test_each_family_decodes_in_llama_server_as_the_target_alone(drafter_run_of,
     fails loudly on a departure at a clear margin. Random drafters: rejections and rollbacks run."""
     drafter = resolve_drafter(drafter_run_of(kind, *extra))
     prompts = [list(range(100 + 7 * i, 120 + 7 * i)) for i in range(3)]
-    arm = side_by_side(target_gguf(drafter.target_folder), drafter.gguf, drafter.spec_type, 3, prompts, 24,
+    arm = side_by_side(llamacpp.target_gguf(drafter.target_folder), drafter.gguf, drafter.spec_type, 3, prompts, 24,
                        log=lambda _: None)
     assert arm.drafted > 0 and arm.identical + len(arm.departures) == 3
     assert all(d["tie"] for d in arm.departures)
