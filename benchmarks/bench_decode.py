@@ -105,7 +105,8 @@ def serving_target(cfg: DictConfig, args):
     given = given_drafters(args)
     if given and not cfg.drafter.path:
         if cfg.drafter.kind.value not in given:
-            return load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
+            return load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
+                               cfg.target.untested_architecture)
         cfg.drafter.path = str(given[cfg.drafter.kind.value])
     return load_serving_target(cfg, drafter_path(cfg))
 

@@ -129,7 +129,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
-        model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+        model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value,
+                                       untested_architecture=cfg.target.untested_architecture)
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
     d = cfg.data

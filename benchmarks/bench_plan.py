@@ -101,7 +101,8 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     tracker = None if cuda else LiveTensorBytes()
     if tracker:
         tracker.__enter__()
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value,
+                                    untested_architecture=cfg.target.untested_architecture)
     target.requires_grad_(False)
     target.to(device)
     if tracker:

@@ -58,7 +58,8 @@ def main(argv=None):
     try:
         cfg = load_recipe(args.recipe, args.overrides)
         t = cfg.train
-        target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+        target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value,
+                                        untested_architecture=cfg.target.untested_architecture)
         target.requires_grad_(False)
         layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
         offline = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed, layers)

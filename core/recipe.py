@@ -125,6 +125,8 @@ class TargetConfig:
     # CUDA device (LOCAL_RANK) when there is one, else the CPU; or cpu, cuda, cuda:N. Training always uses the
     # rank's device (the DeepSpeed launcher's placement).
     device: str = "auto"
+    # An architecture outside the target matrix (docs/targets.md) is refused; true runs it anyway, untested.
+    untested_architecture: bool = False
 
 
 @dataclass

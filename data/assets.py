@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional
 import datasets
 import torch
 from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import (
@@ -38,6 +38,7 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.weights import check_model_folder
 from specdrafter.data.chat import user_prompt_ids
+from specdrafter.models.targets import check_architecture
 
 log = logging.getLogger("specdrafter")
 
@@ -363,14 +364,16 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
-def load_target(name: str, dtype: str = "float32", device: str = "cpu"):
+def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested_architecture: bool = False):
     """(model, tokenizer) for a recipe's `target.model`, in eval mode on `device` (see `resolve_device`); one clear
-    line if it cannot load."""
+    line if it cannot load, or if its architecture is outside the target matrix (models/targets.py) and
+    `untested_architecture` (target.untested_architecture) is not set."""
     device = resolve_device(device)
     path = resolve_target(name)
     if Path(path).expanduser().is_dir():  # a local folder: a damaged config.json or weights file is one line
         check_model_folder(Path(path), "target")
     try:
+        check_architecture(AutoConfig.from_pretrained(path), untested_architecture)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:

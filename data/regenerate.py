@@ -571,7 +571,8 @@ def start_run(cfg: DictConfig, out: Path) -> DataRun:
     """Load the prompt set and the target, check them against the recipe, select the prompts and cut the shards."""
     d = cfg.data
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
-    model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device)
+    model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
+                                   cfg.target.untested_architecture)
     layer_ids = list(d.hidden_states.layer_ids)
     check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
     overhead = len(user_prompt_ids(tokenizer, ""))

@@ -276,7 +276,8 @@ def setup(cfg: DictConfig) -> Run:
     torch.manual_seed(tc.seed)
     use_bf16 = tc.precision.value == "bf16" or (tc.precision.value == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value)
+    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value,
+                                    untested_architecture=cfg.target.untested_architecture)
     target.requires_grad_(False)
     target.to(device)
     layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)

@@ -15,6 +15,7 @@ Three kinds of layer matter to speculative decoding (transformers names them in 
 
 from __future__ import annotations
 
+import difflib
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -24,6 +25,12 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 from specdrafter.core.io import SpecdrafterError
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+
+# The architectures of the target matrix (docs/targets.md), by config.model_type: each row is decoded exactly by the
+# tests (tests/test_targets.py). Anything else is refused in one line unless target.untested_architecture is set.
+MATRIX = {"llama": "Llama 3", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mistral": "Mistral",
+          "gemma3_text": "Gemma 3 (text)", "gpt_oss": "gpt-oss", "deepseek_v3": "DeepSeek-V3", "qwen3_next": "Qwen3-Next"}
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def layer_types(config) -> List[str]:
@@ -45,6 +52,35 @@ def sliding_window(config) -> Optional[int]:
 def recurrent(config) -> bool:
     """The target has layers whose state cannot be cropped back (linear attention)."""
     return LINEAR in layer_types(config)
+
+
+def check_architecture(config, untested_ok: bool = False) -> None:
+    """One line for a target whose architecture the matrix does not cover, naming the nearest one it does."""
+    kind = getattr(getattr(config, "text_config", None) or config, "model_type", None)
+    if kind in MATRIX or untested_ok:
+        return
+    near = nearest_architecture(config)
+    raise SpecdrafterError(f"target architecture {kind!r} is not in the target matrix ({', '.join(MATRIX)}; "
+                           f"docs/targets.md); the nearest supported one is {near!r} ({MATRIX[near]}). Set "
+                           "target.untested_architecture=true to run it anyway, untested")
+
+
+def nearest_architecture(config) -> str:
+    """The matrix row whose mechanics `config` shares: recurrent layers, MLA, experts, sliding windows; else the
+    closest model_type by name (qwen2 → qwen3), else llama."""
+    config = getattr(config, "text_config", None) or config
+    types = set(layer_types(config))
+    experts = any(getattr(config, k, None) for k in EXPERT_KEYS)
+    if LINEAR in types:
+        return "qwen3_next"
+    if getattr(config, "kv_lora_rank", None):
+        return "deepseek_v3"
+    if experts:
+        return "gpt_oss" if SLIDING in types else "qwen3_moe"
+    if SLIDING in types:
+        return "gemma3_text" if FULL in types else "mistral"
+    close = difflib.get_close_matches(str(getattr(config, "model_type", "")), list(MATRIX), n=1, cutoff=0.6)
+    return close[0] if close else "llama"
 
 
 def new_cache(model) -> DynamicCache:

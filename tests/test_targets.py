@@ -13,25 +13,31 @@ import torch
 from conftest import assert_first_two_tokens_follow, sample_first_two_through_the_loop
 from transformers import (
     AutoModelForCausalLM,
+    Cohere2Config,
     DeepseekV3Config,
     DynamicCache,
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
 )
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.assets import load_target
 from specdrafter.inference.decode import speculative_generate, tree_pass, tree_speculative_generate
 from specdrafter.inference.eagle import EagleProposer
 from specdrafter.inference.proposers import DraftModelProposer, DraftModelTreeProposer
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.models.eagle import Eagle3Head, eagle3_config
-from specdrafter.models.targets import LINEAR, SLIDING, layer_types
+from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types
 
 V = 16  # a vocabulary small enough for the χ² test's V² cells
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -158,3 +164,34 @@ def test_an_eagle3_head_reads_each_architecture_and_decodes_exactly(targets, nam
     head = Eagle3Head(eagle3_config(target.config, [1, 2, 4], V)).eval()
     result = speculative_generate(target, EagleProposer(head, target), PROMPT, NEW, SamplingParams(0.0), 3, [])
     assert result.tokens == greedy(target, PROMPT, NEW)
+
+
+# ------------------------------------------------------------------------------------------- the matrix's edge
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_every_architecture_of_the_matrix_is_accepted(name):
+    check_architecture(ARCHS[name]())
+
+
+@pytest.mark.parametrize("config, nearest", [
+    (lambda: Qwen2Config(**COMMON), "qwen3"),  # by name
+    (lambda: Phi3Config(**COMMON), "llama"),  # nothing alike: the Llama row
+    (lambda: MixtralConfig(**COMMON, num_local_experts=4), "qwen3_moe"),  # experts, no window
+    (lambda: Cohere2Config(**COMMON, sliding_window=WINDOW), "gemma3_text"),  # sliding + full layers
+])
+def test_an_architecture_outside_the_matrix_is_one_line_naming_the_nearest(config, nearest, tmp_path,
+                                                                           smollm2_tokenizer):
+    cfg = config()
+    with pytest.raises(SpecdrafterError, match=rf"{cfg.model_type!r} is not in the target matrix .* nearest "
+                                               rf"supported one is {nearest!r}.*untested_architecture=true"):
+        check_architecture(cfg)
+    check_architecture(cfg, untested_ok=True)
+
+
+def test_load_target_refuses_an_unlisted_architecture_unless_asked(tmp_path, smollm2_tokenizer):
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(**{**COMMON, "vocab_size": len(smollm2_tokenizer)})).save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(SpecdrafterError, match="'phi3' is not in the target matrix"):
+        load_target(str(tmp_path))
+    model, _ = load_target(str(tmp_path), untested_architecture=True)
+    assert model.config.model_type == "phi3"
