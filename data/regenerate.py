@@ -393,9 +393,9 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     d = OmegaConf.to_container(cfg.data, enum_to_str=True)
     for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency", "workers", "worker"):
         d.pop(k, None)
-    llamacpp = d.pop("llamacpp")
+    engine_settings = d.pop("llamacpp")
     if d["engine"] == "llama.cpp":  # the GGUF's weight type decides the law it samples; its threads do not
-        d["llamacpp.outtype"] = llamacpp["outtype"] or llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
+        d["llamacpp.outtype"] = engine_settings["outtype"] or llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
             **{f"data.{k}": v for k, v in d.items()}}
 

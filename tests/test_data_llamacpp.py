@@ -16,6 +16,7 @@ from conftest import PROMPTS, REPO, small_data_recipe, tiny_llama_config
 from test_regression import TINY as TINY_TRAINING  # its 3-step run shrunk to a 2-layer target, fp32, online features
 from transformers import LlamaForCausalLM
 
+import specdrafter.inference.llama_server as llama_server_module
 import specdrafter.jobs.train as train_loop
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
@@ -27,7 +28,6 @@ from specdrafter.data.server import (
     ServerEngine,
     parse_reply,
 )
-import specdrafter.inference.llama_server as llama_server_module
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.data import run_data_job
 from specdrafter.jobs.recipe import load_recipe

@@ -63,13 +63,19 @@ def greedy_completion(model: Path, prompt: list, n: int, **drafter) -> dict:
 
 
 @needs_llamacpp
-@pytest.mark.parametrize("kind, spec_type", [("eagle3", "draft-eagle3"), ("dspark", "draft-dspark")])
-def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, drafter_run_of, gguf_target_dir, kind, spec_type):
+@pytest.mark.parametrize("kind, override, spec_type", [
+    ("eagle3", "drafter.eagle.draft_vocab_size=0", "draft-eagle3"),
+    ("dflash", "drafter.block.draft_vocab_size=0", "draft-dflash"),
+    ("dspark", "drafter.eagle.draft_vocab_size=0", "draft-dspark"),
+    ("draft_model", "drafter.num_layers=1", "draft-simple"),
+])
+def test_llama_server_with_the_drafter_decodes_as_the_target_alone(tmp_path, drafter_run_of, gguf_target_dir, kind,
+                                                                   override, spec_type):
     """Greedy, 24 tokens: the drafter may only change the speed. A random drafter is rejected often, so the rollback
     runs."""
     target_gguf = tmp_path / "target.gguf"
     llamacpp.convert(gguf_target_dir, target_gguf)
-    out = export(drafter_run_of(kind, "drafter.eagle.draft_vocab_size=0"), "gguf", tmp_path / kind)
+    out = export(drafter_run_of(kind, override), "gguf", tmp_path / kind)
     prompt = list(range(100, 120))
     alone = greedy_completion(target_gguf, prompt, 24)
     drafted = greedy_completion(target_gguf, prompt, 24, draft=out / DRAFT_FILE, spec_type=spec_type, n_max=3)
