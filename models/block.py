@@ -520,7 +520,10 @@ def engine_layout(config: dict) -> Optional[dict]:
         layer, outputs = dict(config), config["dflash_config"].get("target_layer_ids")
         ids, mask = [k + 1 for k in outputs] if isinstance(outputs, list) else None, config["dflash_config"].get("mask_token_id")
     elif isinstance(config.get("transformer_layer_config"), dict):
-        variant = next((v for v in VARIANTS.values() if v.speculators_architecture in archs), None)
+        # speculators names the model class its trainer saves (DFlashDraftModel, DSparkDraftModel) or, in the
+        # config's default, DFlashSpeculator / DSparkSpeculator; speculators_model_type says which, whatever the name
+        variant = VARIANTS.get(config.get("speculators_model_type")) or next(
+            (v for v in VARIANTS.values() if v.speculators_architecture in archs or v.named(archs)), None)
         layer, ids = dict(config["transformer_layer_config"]), config.get("aux_hidden_state_layer_ids")
         mask = config.get("mask_token_id")
         layer.pop("num_target_layers", None)  # not the verifier's: speculators does not record its depth
@@ -538,6 +541,37 @@ def engine_layout(config: dict) -> Optional[dict]:
     ours.pop("rope_scaling", None)
     return {**ours, "variant": variant.name, "architectures": [variant.architecture], "aux_layer_ids": ids,
             "mask_token_id": mask, "tie_word_embeddings": False}
+
+
+def unsupported_setting(config: dict, variant: Variant) -> Optional[str]:
+    """A setting of an engine's folder (`engine_layout`) that our model does not compute, as "key = value: why"
+    (None: none). Loading such a folder would draft with other attention or heads than it was trained with."""
+    speculators = isinstance(config.get("transformer_layer_config"), dict)
+    layer, where = (config["transformer_layer_config"], "transformer_layer_config.") if speculators else (config, "")
+    anchor = config.get("sample_from_anchor", variant.label_shift)
+    if anchor is not variant.label_shift:
+        return (f"sample_from_anchor = {json.dumps(anchor)}: a {variant.name} drafter "
+                + ("drafts from the anchor slot too (true)" if variant.label_shift else
+                   "drafts from the masked slots only (false)"))
+    types = layer.get("layer_types") or []
+    windowed = next((i for i, t in enumerate(types) if t != "full_attention"), None)
+    if windowed is not None or (not types and layer.get("use_sliding_window")):
+        causal = "bidirectional" if config.get("sliding_window_non_causal") else "causal"
+        value = f"layer_types = {json.dumps(types)}" if types else "use_sliding_window = true"
+        return (f"{where}{value}: draft layer {windowed or 0} attends through a sliding window of "
+                f"{layer.get('sliding_window')} ({causal} inside a block, by sliding_window_non_causal); our block "
+                "drafter attends to the whole context and bidirectionally inside the block (speculators: train with "
+                "--full-attention-indices naming every draft layer)")
+    if variant.heads and config.get("markov_rank", 0):
+        head = config.get("markov_head_type", "vanilla")
+        if head != "vanilla":
+            return f"markov_head_type = {json.dumps(head)}: our Markov head is the vanilla one, logits + W2(W1[prev])"
+        # speculators builds [h ; W1[prev]] by default; vLLM's own layout defaults it to false
+        with_markov = config.get("confidence_head_with_markov", speculators)
+        if config.get("enable_confidence_head") and with_markov is not True:
+            return (f"confidence_head_with_markov = {json.dumps(with_markov)}: our confidence head reads "
+                    "[h ; W1[prev]], the backbone's state beside the Markov head's embedding of the previous token")
+    return None
 
 
 def engine_weights(weights: Dict[str, torch.Tensor], config: dict) -> Dict[str, torch.Tensor]:
@@ -577,6 +611,9 @@ def load_block_drafter(folder: str | Path, variant: Optional[Variant] = None, dt
     weights = read_safetensors(folder / "model.safetensors")
     engine = raw.get("variant") != found.name  # an engine's folder: its config mapped to ours, its extra tensors dropped
     if engine:
+        setting = unsupported_setting(raw, found)
+        if setting:
+            raise SpecdrafterError(f"{str(folder / 'config.json')!r}: {setting}; refused rather than drafted wrongly")
         raw = engine_layout(raw)
         weights = engine_weights(weights, raw)
     elif "target_layer_ids" in raw:

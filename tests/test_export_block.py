@@ -18,7 +18,14 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.models.block import DSPARK, VARIANTS, BlockDrafter, block_config, save_block_drafter
+from specdrafter.models.block import (
+    DSPARK,
+    VARIANTS,
+    BlockDrafter,
+    block_config,
+    load_block_drafter,
+    save_block_drafter,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 V, L, B, R = 512, 6, 4, 8  # target vocabulary and layers, block size, Markov rank
@@ -192,6 +199,56 @@ def test_speculators_folder(tmp_path, variant, checkpoint, target_dir):
     assert {k: c.get(k) for k in heads} == (heads if variant == "dspark" else dict.fromkeys(heads))
     weights = load_file(str(out / "model.safetensors"))
     assert sorted(weights) == sorted(k for k in drafter.state_dict() if k not in ("d2t", "t2d"))
+
+
+def as_speculators_trainer_saves(folder: Path, variant: str, **changes) -> Path:
+    """Our speculators export rewritten as speculators 0.9.0's trainer saves it (DFlashDraftModel.save_pretrained /
+    DSparkDraftModel's, checked against a real save): the model class in `architectures`, transformers 5's
+    rope_parameters, every draft layer's attention type, its own bookkeeping keys; `changes` override top-level keys
+    (a dotted "transformer_layer_config.key" the layer's)."""
+    c = config(folder)
+    layer = c["transformer_layer_config"]
+    layer["rope_parameters"] = {"rope_theta": layer.pop("rope_theta"), "rope_type": "default"}
+    layer.update(layer_types=["full_attention"] * layer["num_hidden_layers"], sliding_window=None,
+                 use_sliding_window=False, max_window_layers=28)
+    name = {"dflash": "DFlash", "dspark": "DSpark"}[variant]
+    c.update(architectures=[f"{name}DraftModel"], auto_map={"": f"config.{name}SpeculatorConfig"},
+             speculators_version="0.9.0", sliding_window_non_causal=False, target_hidden_size=None, dtype="float32")
+    for key, value in changes.items():
+        (layer if key.startswith("transformer_layer_config.") else c)[key.split(".")[-1]] = value
+    (folder / "config.json").write_text(json.dumps(c))
+    return folder
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+def test_a_speculators_trainers_own_save_loads_with_the_same_drafts(tmp_path, variant, checkpoint, target):
+    folder, drafter = checkpoint(variant)
+    theirs = load_block_drafter(as_speculators_trainer_saves(export(folder, "speculators", tmp_path / "s"), variant))
+    assert theirs.config.variant == variant and theirs.feature_layers == IDS
+    for a, b in zip(block_logits(theirs, target, IDS), block_logits(drafter, target, IDS)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant, changes, refusal", [
+    ("dspark", {"transformer_layer_config.layer_types": ["sliding_attention", "full_attention"],
+                "transformer_layer_config.sliding_window": 2048},
+     r'transformer_layer_config.layer_types = \["sliding_attention", "full_attention"\]: draft layer 0 attends '
+     r"through a sliding window of 2048 \(causal inside a block"),
+    ("dflash", {"transformer_layer_config.layer_types": ["full_attention", "sliding_attention"],
+                "sliding_window_non_causal": True},
+     r"layer_types = .*: draft layer 1 attends through a sliding window of None \(bidirectional inside a block"),
+    ("dspark", {"sample_from_anchor": False}, r"sample_from_anchor = false: a dspark drafter drafts from the anchor"),
+    ("dflash", {"sample_from_anchor": True}, r"sample_from_anchor = true: a dflash drafter drafts from the masked"),
+    ("dspark", {"markov_head_type": "gated"}, r'markov_head_type = "gated": our Markov head is the vanilla one'),
+    ("dspark", {"confidence_head_with_markov": False}, r"confidence_head_with_markov = false: our confidence head"),
+])
+def test_a_speculators_setting_we_do_not_compute_is_refused_in_one_line(tmp_path, variant, changes, refusal,
+                                                                         checkpoint):
+    folder, _ = checkpoint(variant)
+    out = as_speculators_trainer_saves(export(folder, "speculators", tmp_path / "s"), variant, **changes)
+    with pytest.raises(SpecdrafterError, match=refusal + r".*; refused rather than drafted wrongly$") as e:
+        load_block_drafter(out)
+    assert "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------ pruned vocabulary
