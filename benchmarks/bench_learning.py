@@ -17,6 +17,9 @@ another's (rolled by one inside its micro-batch — a micro-batch of one convers
 shorter, its padding rows), its own tokens kept. A drafter that reads the context falls towards what it can do
 without; one that has learned little more than a bigram of its input tokens hardly moves. Stored as
 `context_swapped` beside the last point's `alpha`.
+
+A DSpark drafter is also read with its Markov head off (W2 = 0 while scoring, so each draft is the backbone's U_j
+alone), stored as `backbone_alone`: what the backbone carries, beside the total its bigram head adds to.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import math
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import List, Optional
 
@@ -80,8 +84,33 @@ def swapped_context(rows):
     return dataclasses.replace(rows, features={k: v.roll(1, dims=0) for k, v in rows.features.items()})
 
 
-def held_out(drafter, store: dict, swap: bool = False) -> tuple:
-    """Per prediction: (α̂, top-1) over the held-out rows at T = 1, with fixed anchors (swap: `swapped_context`)."""
+def markov_head(module):
+    """A DSpark drafter's Markov head, else None (DFlash, EAGLE, ...)."""
+    return getattr(module, "markov_head", None)
+
+
+@contextmanager
+def backbone_alone(module):
+    """The Markov head's bias switched off while scoring: logits_j = U_j + W2(W1[prev_j]) with W2 = 0."""
+    w2 = markov_head(module).markov_w2.weight
+    kept = w2.detach().clone()
+    with torch.no_grad():
+        w2.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            w2.copy_(kept)
+
+
+def held_out(drafter, store: dict, swap: bool = False, markov: bool = True) -> tuple:
+    """Per prediction: (α̂, top-1) over the held-out rows at T = 1, with fixed anchors (swap: `swapped_context`;
+    markov False: `backbone_alone`)."""
+    with nullcontext() if markov else backbone_alone(drafter.module):
+        return _held_out(drafter, store, swap)
+
+
+def _held_out(drafter, store: dict, swap: bool) -> tuple:
     drafter.module.eval()
     state = torch.get_rng_state()
     torch.manual_seed(1234)
@@ -167,6 +196,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         report["context_swapped"], _ = held_out(drafter, store, swap=True)
         print(f"step {args.steps}, context swapped: α̂ {' '.join(f'{a:.3f}' for a in report['context_swapped'])}  "
               f"(intact {' '.join(f'{a:.3f}' for a in curve[-1]['alpha'])})", flush=True)
+    if markov_head(drafter.module) is not None:
+        report["backbone_alone"], _ = held_out(drafter, store, markov=False)
+        print(f"step {args.steps}, Markov head off: α̂ {' '.join(f'{a:.3f}' for a in report['backbone_alone'])}",
+              flush=True)
+        if args.swap_context:
+            report["backbone_alone_context_swapped"], _ = held_out(drafter, store, swap=True, markov=False)
+            print(f"step {args.steps}, Markov head off, context swapped: α̂ "
+                  f"{' '.join(f'{a:.3f}' for a in report['backbone_alone_context_swapped'])}", flush=True)
     atomic_write_json(out / "learning.json", report)
 
 

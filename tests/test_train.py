@@ -955,6 +955,9 @@ def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, p
     assert untimed(second) == untimed(first)  # the same rows, seeded alike: the same curve
     swapped = second["context_swapped"]
     assert len(swapped) == 4 and all(0 <= a <= 1 for a in swapped) and swapped != first["curve"][-1]["alpha"]
+    alone = second["backbone_alone"]  # DSpark with its Markov head off: the backbone's drafts alone
+    assert len(alone) == 4 and all(0 <= a <= 1 for a in alone) and alone != second["curve"][-1]["alpha"]
+    assert len(second["backbone_alone_context_swapped"]) == 4 and "backbone_alone" in first
     with pytest.raises(SystemExit, match="'train.heldout' is 0"):  # nothing to score: one line, before the target runs
         flags = args.index("--batches")  # after TINY's train.heldout
         probe(args[:flags] + ["train.heldout=0"] + args[flags:-2] + ["--out", str(tmp_path / "none")])
@@ -970,3 +973,25 @@ def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, p
     for batch, _ in store["train"] + store["held"]:
         for row, mask in zip(batch.input_ids.tolist(), batch.attention_mask.tolist()):
             assert tuple(row[:sum(mask)]) in allowed
+
+
+def test_the_probes_backbone_alone_switches_the_markov_head_off_and_back():
+    """benchmarks/bench_learning.py:backbone_alone: inside, DSpark's heads leave the backbone's logits as they are
+    (W2 = 0); after, the Markov bias is back, bit for bit."""
+    from bench_learning import backbone_alone
+    from transformers import LlamaConfig
+
+    from specdrafter.models.block import DSPARK, BlockDrafter, block_config
+    torch.manual_seed(0)
+    target = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    drafter = BlockDrafter(block_config(target, DSPARK, num_layers=1, block_size=4, aux_layer_ids=[1, 2],
+                                        markov_rank=8))
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight)  # off its zero start
+    logits, hidden, prev = torch.randn(3, 64), torch.randn(3, 32), torch.tensor([5, 9, 11])
+    with torch.no_grad():
+        before, _ = drafter.heads(logits, hidden, prev)
+        with backbone_alone(drafter):
+            alone, _ = drafter.heads(logits, hidden, prev)
+        after, _ = drafter.heads(logits, hidden, prev)
+    assert torch.equal(alone, logits) and not torch.equal(before, logits) and torch.equal(after, before)
