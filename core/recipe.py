@@ -127,6 +127,11 @@ class TargetConfig:
     device: str = "auto"
     # An architecture outside the target matrix (docs/targets.md) is refused; true runs it anyway, untested.
     untested_architecture: bool = False
+    # Variables for the target's chat template, used for every prompt a job lays out and sent to servers as their
+    # chat_template_kwargs (docs/chat-formats.md): Qwen3 {enable_thinking: false}, gpt-oss {reasoning_effort: low}.
+    # A key the template never reads is refused.
+    chat_template_kwargs: Dict[str, Any] = checked({}, Rule(lambda v: all(str(k).isidentifier() for k in v),
+                                                         "a mapping of template variable names to values", whole=True))
 
 
 @dataclass
@@ -181,6 +186,10 @@ class DataConfig:
     max_turns: int = checked(1, AT_LEAST_ONE)
     responses: ResponseSource = ResponseSource.target
     target_share: Optional[float] = checked(None, SHARE)  # with responses=mix: the share of conversations the target regenerates
+    # A reasoning target's thinking (Qwen3's <think>…</think>, gpt-oss's analysis channel) is part of what it generates
+    # and what a drafter drafts when it serves with thinking on, so it is trained on by default; false masks it out of
+    # the loss (docs/chat-formats.md). To generate without thinking, set target.chat_template_kwargs instead.
+    loss_on_thinking: bool = True
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
     # parallel data jobs on one output_dir (one single-threaded process per core, each with its own data.worker):
     # each claims a shard before making it; worker w takes the shards i with i % workers == w first, then any other

@@ -23,6 +23,7 @@ from typing import Dict, Iterator, List, Optional
 import datasets
 import torch
 from filelock import FileLock
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdrafter.core.cache import cache_dir
@@ -37,8 +38,8 @@ from specdrafter.core.io import (
     temp_dir_beside,
 )
 from specdrafter.core.weights import check_model_folder
-from specdrafter.data.chat import user_prompt_ids
-from specdrafter.models.targets import check_architecture
+from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
+from specdrafter.models.targets import check_architecture, language_model_only
 
 log = logging.getLogger("specdrafter")
 
@@ -364,10 +365,12 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
-def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested_architecture: bool = False):
+def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested_architecture: bool = False,
+                chat_template_kwargs=None):
     """(model, tokenizer) for a recipe's `target.model`, in eval mode on `device` (see `resolve_device`); one clear
     line if it cannot load, or if its architecture is outside the target matrix (models/targets.py) and
-    `untested_architecture` (target.untested_architecture) is not set."""
+    `untested_architecture` (target.untested_architecture) is not set. The tokenizer's chat template renders with
+    `chat_template_kwargs` (target.chat_template_kwargs: data/chat.py:with_template_kwargs)."""
     device = resolve_device(device)
     path = resolve_target(name)
     if Path(path).expanduser().is_dir():  # a local folder: a damaged config.json or weights file is one line
@@ -375,12 +378,15 @@ def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested
     try:
         check_architecture(AutoConfig.from_pretrained(path), untested_architecture)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = language_model_only(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
     except (OSError, ValueError) as e:
         raise SpecdrafterError(f"could not load target {name!r}: {str(e).splitlines()[0]}") from None
     if not tokenizer.chat_template:
         raise SpecdrafterError(f"the tokenizer of target {name!r} has no chat template; "
                                "add one (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    if chat_template_kwargs:
+        with_template_kwargs(tokenizer, OmegaConf.to_container(chat_template_kwargs)
+                             if isinstance(chat_template_kwargs, DictConfig) else chat_template_kwargs)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise SpecdrafterError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model embeds only "
                                f"{model.get_input_embeddings().num_embeddings}: tokenizer and target do not match")

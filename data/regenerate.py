@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import datasets
+import jinja2
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
@@ -48,7 +49,7 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
-from specdrafter.data.chat import chat_ids, eos_token_ids, user_prompt_ids
+from specdrafter.data.chat import Thinking, chat_ids, eos_token_ids, thinking_format, thinking_mask, user_prompt_ids
 from specdrafter.data.server import ServerEngine
 from specdrafter.models.features import capture_features, check_layer_ids
 from specdrafter.models.targets import new_cache
@@ -241,6 +242,7 @@ class Conversation:
     open: bool = True  # another turn may follow
     stop_reason: Optional[str] = None
     next_ids: List[int] = field(default_factory=list)  # the ids of the context `context` returned last
+    response_tokens: int = 0  # the assistant's tokens (thinking included, trained on or not)
 
     def context(self, tokenizer, turn: int, max_prompt: int, room: int) -> Optional[List[dict]]:
         """Messages for assistant turn `turn` (ending with its user turn), or None (and `open` False) when the
@@ -257,30 +259,39 @@ class Conversation:
         if stop is None:
             text = turns[turn].strip() if turn else self.prompt["text"]
             messages = self.messages + [{"role": "user", "content": text}]
-            ids = chat_ids(tokenizer, messages, True)
-            if turn and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt:
-                stop = "overlong_turn"
-            elif len(ids) > room:
-                stop = "context_full"
-            elif ids[:len(self.input_ids)] != self.input_ids:
-                stop = "roundtrip_mismatch"
+            try:
+                ids = chat_ids(tokenizer, messages, True)
+            except jinja2.TemplateError as e:  # e.g. gpt-oss's refuses an earlier answer with its channel tags in it
+                log.debug("the chat template refused conversation %s at turn %d: %s", self.prompt["id"], turn, e)
+                ids, stop = [], "template_refused"
+            if stop is None:
+                if turn and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt:
+                    stop = "overlong_turn"
+                elif len(ids) > room:
+                    stop = "context_full"
+                elif ids[:len(self.input_ids)] != self.input_ids:  # also a template that drops earlier thinking
+                    stop = "roundtrip_mismatch"
         if stop is not None:
             self.open, self.stop_reason = False, stop
             return None
         self.next_ids = ids
         return messages
 
-    def add_turn(self, messages: List[dict], response: List[int], tokenizer, eos: Sequence[int]) -> None:
-        """Append one assistant turn: `response` ids (EOS-terminated if finished) after the context's ids."""
+    def add_turn(self, messages: List[dict], response: List[int], tokenizer, eos: Sequence[int],
+                 thinking: Optional[Thinking] = None) -> None:
+        """Append one assistant turn: `response` ids (EOS-terminated if finished) after the context's ids. The loss
+        mask is 1 on the response, but for its thinking spans when `thinking` (data.loss_on_thinking=false) is given."""
         ids = self.next_ids
         self.finished = bool(response) and response[-1] in eos
         text = tokenizer.decode(response[:-1] if self.finished else response)
         self.messages = messages + [{"role": "assistant", "content": text}]
-        self.loss_mask = self.loss_mask + [0] * (len(ids) - len(self.input_ids)) + [1] * len(response)
+        trained = thinking_mask(response, thinking) if thinking else [1] * len(response)
+        self.loss_mask = self.loss_mask + [0] * (len(ids) - len(self.input_ids)) + trained
+        self.response_tokens += len(response)
         self.input_ids = ids + response
 
     def record(self) -> dict:
-        n_response = sum(self.loss_mask)
+        n_response = self.response_tokens
         return {
             "id": self.prompt["id"], "messages": self.messages, "input_ids": self.input_ids, "loss_mask": self.loss_mask,
             "num_prompt_tokens": len(self.input_ids) - n_response, "num_response_tokens": n_response,
@@ -301,6 +312,17 @@ def reference_response(tokenizer, messages: List[dict], answer: str, context: Li
     return None if end is None or end == 0 else tail[:end + 1]
 
 
+def untrained_thinking(d: DictConfig, tokenizer) -> Optional[Thinking]:
+    """The thinking markers whose spans leave the loss (data.loss_on_thinking=false), else None."""
+    if d.loss_on_thinking:
+        return None
+    thinking = thinking_format(tokenizer)
+    if thinking is None:
+        raise SpecdrafterError("recipe key 'data.loss_on_thinking' is false, but the target's tokenizer has no "
+                               "thinking markers (<think> … </think>, or gpt-oss's analysis channel): nothing to mask")
+    return thinking
+
+
 def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[int], d: DictConfig, seed: int,
                         max_prompt: int, room: int, counts: Dict[str, int],
                         on_turn: Optional[Callable[[int, int], None]] = None) -> List[dict]:
@@ -309,6 +331,7 @@ def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[in
     conversation's own answers are laid out by the chat template. Returns one record per conversation with at
     least one assistant turn; why conversations ended (or were skipped) is added to `counts`."""
     conversations = [Conversation(p) for p in prompts]
+    thinking = untrained_thinking(d, tokenizer)
     for turn in range(d.max_turns):
         todo = [(c, c.context(tokenizer, turn, max_prompt, room)) for c in conversations if c.open]
         todo = [(c, m) for c, m in todo if m is not None]
@@ -323,7 +346,7 @@ def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[in
                 if not response:
                     c.open, c.stop_reason = False, "empty_response"
                     continue
-                c.add_turn(m, response, tokenizer, eos)
+                c.add_turn(m, response, tokenizer, eos, thinking)
                 generated += len(response)
         for c, m in todo:
             if c.prompt["source"] == "dataset":
@@ -332,7 +355,7 @@ def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[in
                 if response is None:
                     c.open, c.stop_reason = False, "unusable_reference"
                     continue
-                c.add_turn(m, response[:d.max_new_tokens], tokenizer, eos)
+                c.add_turn(m, response[:d.max_new_tokens], tokenizer, eos, thinking)
         if on_turn is not None:
             on_turn(len(todo), generated)
     for c in conversations:
@@ -396,8 +419,11 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     engine_settings = d.pop("llamacpp")
     if d["engine"] == "llama.cpp":  # the GGUF's weight type decides the law it samples; its threads do not
         d["llamacpp.outtype"] = engine_settings["outtype"] or llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
+    template = OmegaConf.to_container(cfg.target.chat_template_kwargs)  # absent when unset: older shards still match
+    if d["loss_on_thinking"]:
+        d.pop("loss_on_thinking")
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
-            **{f"data.{k}": v for k, v in d.items()}}
+            **({"target.chat_template_kwargs": template} if template else {}), **{f"data.{k}": v for k, v in d.items()}}
 
 
 def shard_name(i: int) -> str:
@@ -572,9 +598,10 @@ def start_run(cfg: DictConfig, out: Path) -> DataRun:
     d = cfg.data
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
     model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
-                                   cfg.target.untested_architecture)
+                                   cfg.target.untested_architecture, cfg.target.chat_template_kwargs)
     layer_ids = list(d.hidden_states.layer_ids)
     check_layer_ids(model, layer_ids, "data.hidden_states.layer_ids")
+    untrained_thinking(d, tokenizer)  # data.loss_on_thinking=false on a target with no thinking markers: one line
     overhead = len(user_prompt_ids(tokenizer, ""))
     context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     max_prompt = prompt_budget(d, context, overhead)

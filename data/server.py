@@ -23,6 +23,8 @@ recognised by its /v1/models, which says `"owned_by": "llamacpp"`, and gets its 
                                     "repeat_penalty": 1, "reasoning_format": "none"
                 transformers serve  "generation_config": "{\"do_sample\": true, \"top_k\": 0}"
     always      "model" (the id /v1/models reports), "messages", "max_tokens", "temperature", "top_p", "seed"
+    template    all four        "chat_template_kwargs" when target.chat_template_kwargs sets any (vLLM, SGLang and
+                                llama-server render their chat template with them; the probe compares the prompt ids)
 
 llama-server's own sampling chain is penalties, DRY, top-n-sigma, top-k 40, typical, top-p, min-p 0.05, XTC,
 temperature: top-p cut before the temperature, and min-p and top-k 40 on top. Its `samplers` field replaces the
@@ -177,6 +179,8 @@ class ServerEngine:
         self.servers = [Server(url.rstrip("/").removesuffix("/v1")) for url in servers]
         self.concurrency, self.tokenizer, self.timeout_s, self.retries = concurrency, tokenizer, timeout_s, retries
         self.special_ids = set(tokenizer.all_special_ids)
+        kwargs = getattr(tokenizer, "chat_template_kwargs", None)  # target.chat_template_kwargs (data/chat.py)
+        self.template_fields = {"chat_template_kwargs": dict(kwargs)} if kwargs else {}
         # HTTP requests sent by respond(), retries among them, failed ones, conversations a server rejected (4xx),
         # empty replies, conversations skipped ([] returned), servers dropped (probe or respond), replies whose ids
         # came from the server / were re-tokenised, re-tokenised replies whose length is not the server's count,
@@ -246,7 +250,7 @@ class ServerEngine:
     def _probe_request(self, s: Server, messages: List[dict], max_tokens: int, fields: dict, temperature: float,
                        seed: int) -> Reply:
         body = {"model": s.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": 1.0, "seed": seed, **fields}
+                "top_p": 1.0, "seed": seed, **self.template_fields, **fields}
         try:
             return self._retrying(lambda: parse_reply(http_json(f"{s.url}/v1/chat/completions", body, self.timeout_s)))
         except RequestFailed as e:
@@ -284,7 +288,7 @@ class ServerEngine:
         endpoint fails: the prompt's length (usage) is then all the probe compares."""
         timeout = min(self.timeout_s, 30)
         try:
-            prompt = self._retrying(lambda: http_json(f"{s.url}/apply-template", {"messages": messages},
+            prompt = self._retrying(lambda: http_json(f"{s.url}/apply-template", {"messages": messages, **self.template_fields},
                                                       timeout))["prompt"]
             ids = self._retrying(lambda: http_json(f"{s.url}/tokenize", {"content": prompt, "add_special": True,
                                                                          "parse_special": True}, timeout))["tokens"]
@@ -374,7 +378,7 @@ class ServerEngine:
     def _respond_one(self, i: int, conversation: List[dict], max_new_tokens: int, temperature: float, top_p: float,
                      seed: int, num_conversations: int) -> List[int]:
         body = {"messages": conversation, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "seed": seed + i}
+                "seed": seed + i, **self.template_fields}
         avoid, error = None, None
         for attempt in range(self.retries + 1):
             s = self._pick(avoid)

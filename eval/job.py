@@ -265,7 +265,7 @@ def run_eval(cfg: DictConfig) -> Path:
     results = Results(out, cfg)
     verifiers = [v.value for v in e.verifiers]
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
-                                    cfg.target.untested_architecture)
+                                    cfg.target.untested_architecture, cfg.target.chat_template_kwargs)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     check_room(cfg, sets, prompts, target.config.max_position_embeddings)  # before any pass: one line, nothing lost
     eos = eos_token_ids(target, tokenizer)

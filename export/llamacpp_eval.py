@@ -35,12 +35,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import EvalEngine
-from specdrafter.data.chat import user_prompt_ids
+from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets, run_eval
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
@@ -81,7 +81,8 @@ def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
     arm.update(threads=threads, outtype=e.llamacpp.outtype.value, target_gguf=target.name,
                drafter_gguf=str(drafter.gguf), spec_type=drafter.spec_type, max_k=drafter.max_k,
                calibration=cal.to_json(), choice=asdict(choice))
-    tokenizer = AutoTokenizer.from_pretrained(drafter.target_folder)
+    tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder),
+                                     OmegaConf.to_container(cfg.target.chat_template_kwargs))
     sets = load_sets(e)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k)

@@ -32,7 +32,7 @@ def load_serving_target(cfg: DictConfig, path: Optional[str], kind: Optional[Kin
     (kinds.drafter_path, checked before the target loads) brings to serve in its place (Medusa-2's fine-tuned
     backbone: kinds/: serving_target). `kind`: the recipe's, when the caller has it."""
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
-                                    cfg.target.untested_architecture)
+                                    cfg.target.untested_architecture, cfg.target.chat_template_kwargs)
     return (kind or kind_of(cfg)).serving_target(Path(path) if path else None, target), tokenizer
 
 

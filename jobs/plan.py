@@ -48,6 +48,7 @@ from specdrafter.jobs.cli import cli
 from specdrafter.jobs.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
 from specdrafter.jobs.plan_report import format_plan
 from specdrafter.kinds import KINDS, kind_of
+from specdrafter.models.targets import language_model_only
 from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
 from specdrafter.train.memory import GIB, Counts, Plan, Setup, Shapes, activations, dtype_bytes, model_states
@@ -64,7 +65,7 @@ def meta_counts(cfg: DictConfig, tconf) -> Counts:
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        target = AutoModelForCausalLM.from_config(tconf, dtype=getattr(torch, cfg.target.dtype.value))
+        target = language_model_only(AutoModelForCausalLM.from_config(tconf, dtype=getattr(torch, cfg.target.dtype.value)))
         module, draft = _meta_drafter(cfg, target)
     for model in (target, module):  # tying is a no-op inside init_empty_weights: count tied embeddings once
         if hasattr(model, "tie_weights"):
@@ -72,7 +73,26 @@ def meta_counts(cfg: DictConfig, tconf) -> Counts:
     params = list(module.parameters())
     trainable = [p.numel() for p in params if p.requires_grad]
     return Counts(sum(p.numel() for p in target.parameters()), sum(trainable),
-                  sum(p.numel() for p in params if not p.requires_grad), max(trainable, default=0), draft)
+                  sum(p.numel() for p in params if not p.requires_grad), max(trainable, default=0), draft,
+                  active_parameters(target, tconf))
+
+
+def active_parameters(target, tconf) -> int:
+    """The parameters one token's forward multiplies by (what a MoE's model card calls active): a routed experts
+    tensor ([experts, ...] under `.experts.`: Qwen3-MoE, gpt-oss, DeepSeek-V3, Mixtral in transformers 5) counts
+    num_experts_per_tok of its rows; shared experts, routers, attention and the LM head count whole; the input
+    embedding is a lookup and counts nothing unless it is tied to the LM head."""
+    top_k = getattr(tconf.get_text_config(), "num_experts_per_tok", None)
+    lookup = target.get_input_embeddings().weight
+    head = target.get_output_embeddings()
+    skip = None if head is not None and head.weight is lookup else lookup
+    total = 0
+    for name, p in target.named_parameters():
+        if p is skip:
+            continue
+        routed = top_k and ".experts." in f".{name}" and p.dim() >= 2
+        total += p.numel() * top_k // p.shape[0] if routed else p.numel()
+    return total
 
 
 def _meta_drafter(cfg: DictConfig, target):

@@ -31,7 +31,8 @@ def format_plan(p: Plan, cfg: DictConfig) -> str:
              f"plan: {p.recipe} — target {cfg.target.model}; drafter.kind={p.kind} trains nothing: data and disk only"]
     if p.counts:
         c = p.counts
-        lines.append(f"target {c.target / 1e9:.3f} B parameters (frozen); drafter {c.trainable / 1e6:.1f} M trainable"
+        active = f", {c.target_active / 1e9:.3f} B active per token" if c.target_active else ""
+        lines.append(f"target {c.target / 1e9:.3f} B parameters{active} (frozen); drafter {c.trainable / 1e6:.1f} M trainable"
                      + (f", {c.frozen / 1e6:.1f} M frozen" if c.frozen else ""))
         lines.append(f"{'per rank':<52}{'GiB':>8}")
         for name, size in p.terms.items():

@@ -83,6 +83,7 @@ def setup_distributed() -> tuple[int, int]:
     if torch.cuda.is_available():  # this rank's GPU before the first NCCL collective (DeepSpeed's engine binds it later)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        clear_stale_build_locks()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         release_shm_segment()
     return dist.get_rank(), dist.get_world_size()
@@ -102,6 +103,35 @@ def release_shm_segment() -> None:
     if segment.exists():
         dist.barrier()
         segment.unlink(missing_ok=True)
+
+
+STALE_BUILD_LOCK_S = 900  # DeepSpeed's CPU ops compile in about half a minute on 2 cores; a lock this old is orphaned
+
+
+def clear_stale_build_locks(now: Optional[float] = None) -> List[Path]:
+    """Remove the JIT-build locks a killed run left behind, with one line each; returns what it removed.
+
+    DeepSpeed compiles its CPU all-reduce op (deepspeed_shm_comm, and cpu_adam with offload) through torch's
+    cpp_extension the first time a process group starts. torch guards each build with a bare lock *file*: a process
+    that finds it waits, polling, until it is gone. A run killed mid-build (kill -9, a scheduler's time limit, a
+    timeout around it) leaves the file, and every later run on the machine then hangs at start-up, silently and
+    forever. No build takes anywhere near STALE_BUILD_LOCK_S, so an older lock has no owner left."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:  # TORCH_EXTENSIONS_DIR/op, or <cache>/py311_cpu/op
+        try:
+            age = now - lock.stat().st_mtime
+            if age > STALE_BUILD_LOCK_S:
+                lock.unlink()
+                removed.append(lock)
+                log.warning("removed %s: a build lock left %d min ago by a run killed while it compiled", lock,
+                            age // 60)
+        except OSError:  # gone meanwhile (its build finished), or not ours to remove: torch waits on it as before
+            continue
+    return removed
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -277,7 +307,8 @@ def setup(cfg: DictConfig) -> Run:
     use_bf16 = tc.precision.value == "bf16" or (tc.precision.value == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value,
-                                    untested_architecture=cfg.target.untested_architecture)
+                                    untested_architecture=cfg.target.untested_architecture,
+                                    chat_template_kwargs=cfg.target.chat_template_kwargs)
     target.requires_grad_(False)
     target.to(device)
     layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)

@@ -45,6 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.weights import read_safetensors, save_config_and_weights
+from specdrafter.models.targets import global_rope, mlp_activation
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
@@ -152,8 +153,8 @@ def block_config(target_config, variant: Variant, num_layers: int = 1, block_siz
         architectures=[variant.architecture], variant=variant.name, num_hidden_layers=num_layers, hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
-        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, hidden_act=t.hidden_act,
-        rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(t.rope_parameters),
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads, hidden_act=mlp_activation(t),
+        rms_norm_eps=t.rms_norm_eps, rope_parameters=global_rope(t),
         max_position_embeddings=t.max_position_embeddings, initializer_range=t.initializer_range,
         vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size or None, block_size=block_size,
         mask_token_id=mask_token_id,

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.weights import read_safetensors, save_config_and_weights
+from specdrafter.models.targets import global_rope, mlp_activation
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
@@ -130,7 +131,7 @@ def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size:
         intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-        hidden_act=_activation(t), rms_norm_eps=t.rms_norm_eps, rope_parameters=_global_rope(t),
+        hidden_act=mlp_activation(t), rms_norm_eps=t.rms_norm_eps, rope_parameters=global_rope(t),
         max_position_embeddings=t.max_position_embeddings,  # copy the target's: a smaller one collapses acceptance
         attention_bias=getattr(t, "attention_bias", False), vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=t.hidden_size, tie_word_embeddings=False, bos_token_id=t.bos_token_id,
@@ -138,20 +139,6 @@ def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size:
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True,
                       "aux_layer_id_convention": "input"},  # id k = input to target layer k (vLLM's reading)
     )
-
-
-def _activation(config) -> str:
-    """The target's MLP activation (Gemma names it hidden_activation)."""
-    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
-
-
-def _global_rope(config) -> dict:
-    """The target's RoPE; for a target with one per layer type (Gemma 3: local and global), its full-attention one:
-    the head is one full-attention layer over the whole context."""
-    rope = config.rope_parameters
-    if isinstance(rope, dict) and "full_attention" in rope and isinstance(rope["full_attention"], dict):
-        return dict(rope["full_attention"])
-    return rope
 
 
 def save_eagle3(head: nn.Module, folder: str | Path) -> Path:

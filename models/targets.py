@@ -54,6 +54,40 @@ def recurrent(config) -> bool:
     return LINEAR in layer_types(config)
 
 
+def mlp_activation(config) -> str:
+    """The target's MLP activation, for a drafter layer built at its width (Gemma names it hidden_activation)."""
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
+
+
+def global_rope(config) -> dict:
+    """The target's RoPE for a drafter layer that attends over the whole context; for a target with one per layer type
+    (Gemma 3: local and global), its full-attention one."""
+    rope = config.rope_parameters
+    if isinstance(rope, dict) and "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        return dict(rope["full_attention"])
+    return dict(rope) if rope else rope
+
+
+def language_model_only(model):
+    """A multimodal target (Gemma 3 from 4B up: Gemma3ForConditionalGeneration, which AutoModelForCausalLM loads) as
+    the causal LM of its language model: the same decoder and LM head modules (moved, not copied), no vision tower, so
+    the loops, the drafters and their exports see what they see for a text-only target. On text both give the same
+    logits (tests/test_targets.py). A text-only model is returned as it is."""
+    inner = getattr(getattr(model, "model", None), "language_model", None)
+    text = model.config.get_text_config()
+    if inner is None or text is model.config:
+        return model
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():  # a shell: its meta weights are replaced by the loaded modules
+        lm = AutoModelForCausalLM.from_config(text)
+    lm.model, lm.lm_head = inner, model.lm_head
+    lm.generation_config = model.generation_config
+    lm.config._name_or_path = model.config._name_or_path
+    return lm
+
+
 def check_architecture(config, untested_ok: bool = False) -> None:
     """One line for a target whose architecture the matrix does not cover, naming the nearest one it does."""
     kind = getattr(getattr(config, "text_config", None) or config, "model_type", None)

@@ -135,6 +135,44 @@ def test_dspark_plan_counts_its_layers_and_blocks():
     assert fewer.terms["activations"] < dspark.terms["activations"] / 2
 
 
+# Public totals from the model cards (Gemma 3 27B's: its language model, the vision tower not loaded); "active" is
+# what one token's forward multiplies by (gpt-oss's cards count 3.6 B and 5.1 B that way, without the embedding
+# lookup; Qwen3-30B-A3B's 3.3 B counts its embedding too).
+HUB_TARGETS = [("Qwen/Qwen3-8B", 8.19e9, 7.57e9), ("Qwen/Qwen3-30B-A3B", 30.5e9, 3.04e9),
+               ("openai/gpt-oss-20b", 20.9e9, 3.6e9), ("openai/gpt-oss-120b", 116.8e9, 5.1e9),
+               ("google/gemma-3-27b-it", 27.0e9, 27.0e9), ("mistralai/Mistral-Small-24B-Instruct-2501", 23.6e9, 22.9e9),
+               ("deepseek-ai/DeepSeek-V3", 671e9, 36.6e9)]
+
+
+@pytest.mark.parametrize("model,total,active", HUB_TARGETS, ids=[m.split("/")[1] for m, _, _ in HUB_TARGETS])
+def test_each_shipped_hub_target_counts_its_published_parameters(model, total, active):
+    """recipes/targets/ configs build on the meta device into the published totals (all experts: every rank holds
+    them) and the active count: routed experts count num_experts_per_tok of their rows."""
+    c = plan_of(LLAMA8B, f"target.model={model}", "drafter.eagle.aux_layer_ids=[1,2,3]",
+                "drafter.eagle.draft_vocab_size=1000", "train.max_length=256").counts
+    assert c.target == pytest.approx(total, rel=0.005)
+    assert c.target_active == pytest.approx(active, rel=0.01)
+
+
+HUB_RECIPES = ["qwen3-8b-eagle3.yaml", "qwen3-8b-dspark.yaml", "gpt-oss-20b-eagle3.yaml"]
+
+
+@pytest.mark.parametrize("recipe", HUB_RECIPES)
+def test_hub_recipes_plan_within_their_named_gpu(recipe):
+    """The shipped Qwen3-8B and gpt-oss-20b recipes name an 80 GB GPU (train.gpu_memory_gb) and plan within it, every
+    check ok, their data job's recipe found."""
+    plan = plan_of(REPO / "recipes" / recipe)
+    assert plan.budget_gb == 80 and plan.fits and not failures(plan)
+    assert plan.data["job"].startswith("recipes/") and plan.data["job"].endswith("-data.yaml")
+
+
+def test_gpt_oss_eagle3_at_2048_tokens_does_not_fit_80gb_and_names_the_activations():
+    """gpt-oss's 64 query heads: at 2048 tokens the head's 7 TTT steps of fp32 attention probabilities overflow 80 GB,
+    which is why its recipe trains at 1536."""
+    plan = plan_of(REPO / "recipes" / "gpt-oss-20b-eagle3.yaml", "train.max_length=2048")
+    assert not plan.fits and "activations" in " ".join(failures(plan))
+
+
 def test_per_node_numbers(llama8b):
     from specdrafter.jobs.plan import format_plan
 

@@ -16,6 +16,8 @@ from transformers import (
     Cohere2Config,
     DeepseekV3Config,
     DynamicCache,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
@@ -30,12 +32,15 @@ from transformers import (
 )
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.recipe import ASDConfig
 from specdrafter.data.assets import load_target
+from specdrafter.inference.block import BlockProposer
 from specdrafter.inference.decode import speculative_generate, tree_pass, tree_speculative_generate
 from specdrafter.inference.eagle import EagleProposer
 from specdrafter.inference.proposers import DraftModelProposer, DraftModelTreeProposer
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.inference.tree import tree_from_choices
+from specdrafter.models.block import VARIANTS, BlockDrafter, block_config
 from specdrafter.models.eagle import Eagle3Head, eagle3_config
 from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types
 
@@ -164,6 +169,87 @@ def test_an_eagle3_head_reads_each_architecture_and_decodes_exactly(targets, nam
     head = Eagle3Head(eagle3_config(target.config, [1, 2, 4], V)).eval()
     result = speculative_generate(target, EagleProposer(head, target), PROMPT, NEW, SamplingParams(0.0), 3, [])
     assert result.tokens == greedy(target, PROMPT, NEW)
+
+
+def block_drafter(target, variant: str) -> BlockDrafter:
+    """A random 1-layer DFlash / DSpark drafter reading the inputs of target layers 1 and 3, its drafts sharpened and
+    (DSpark) its Markov term strong enough to change what is drafted."""
+    torch.manual_seed(1)
+    config = block_config(target.config, VARIANTS[variant], num_layers=1, block_size=4, aux_layer_ids=[1, 3],
+                          mask_token_id=V - 1, markov_rank=4 if variant == "dspark" else 0)
+    drafter = BlockDrafter(config).eval()
+    with torch.no_grad():
+        drafter.norm.weight.mul_(4.0)
+        if drafter.markov_head is not None:
+            drafter.markov_head.markov_w2.weight.mul_(40.0)
+    return drafter
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_a_block_drafter_reads_each_architecture_and_decodes_exactly(targets, name, variant):
+    """DFlash and DSpark read the inputs of the target's layers through the same pre-hooks on every architecture and
+    decode greedy-exactly over it, rollbacks included (a block of 3 or 4 drafts over a vocabulary of 16: some drafts
+    are accepted, most blocks are cut)."""
+    target = targets[name]
+    result = speculative_generate(target, BlockProposer(block_drafter(target, variant), target), PROMPT, NEW,
+                                  SamplingParams(0.0), 3, [])
+    assert result.tokens == greedy(target, PROMPT, NEW)
+    assert any(c.accepted < c.drafted for c in result.cycles)  # rejections: the target's cache rolled back
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])  # sliding window + sinks + MoE; recurrent state
+def test_a_block_drafter_samples_each_architectures_law_at_temperature_1(targets, name):
+    target, n = targets[name], 1200
+    counts, accepted, drafted = sample_first_two_through_the_loop(
+        target, BlockProposer(block_drafter(target, "dspark"), target), PROMPT, n, tree=False)
+    assert 0 < accepted < drafted
+    assert_first_two_tokens_follow(target, PROMPT, counts, n)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_asd_on_each_architecture_is_greedy_at_no_budget_and_charges_its_exact_regret(targets, name):
+    """ASD (budgeted greedy mismatches): with no budget the target's own greedy output; with one, the regret
+    max_v z(v) − z(x) of every emitted token, replayed through one plain target pass, sums to the ledger, within the
+    budget — the rollback after an accepted mismatch keeps the target's cache (window, MLA, recurrent state) right."""
+    target, reference = targets[name], greedy(targets[name], PROMPT, NEW)
+    proposer = DraftModelProposer(near_copy(target, 0.3))
+    strict = speculative_generate(target, proposer, PROMPT, NEW, SamplingParams(0.0), 3, [], asd=ASDConfig(budget=0.0))
+    assert strict.tokens == reference and strict.asd_regret == 0
+    asd = speculative_generate(target, proposer, PROMPT, NEW, SamplingParams(0.0), 3, [],
+                               asd=ASDConfig(budget=2.0, gate=0.5, max_mismatches=2))
+    assert len(asd.tokens) == NEW and asd.tokens != reference
+    with torch.no_grad():
+        z = target(torch.tensor([PROMPT + asd.tokens])).logits[0, len(PROMPT) - 1:-1].double()  # row i scores token i
+    regret = [float(z[i].max() - z[i, x]) for i, x in enumerate(asd.tokens)]
+    assert 0 < asd.asd_regret <= 2.0 and sum(regret) == pytest.approx(asd.asd_regret, abs=1e-4)
+
+
+def test_a_multimodal_gemma3_target_loads_as_its_language_model_and_decodes_exactly(tmp_path, smollm2_tokenizer):
+    """Gemma 3 from 4B up is saved as Gemma3ForConditionalGeneration (a vision tower beside the language model):
+    load_target keeps its language model as a Gemma3ForCausalLM, the same modules, the vision tower dropped; its
+    logits on text equal the multimodal model's and the chain loop decodes it exactly."""
+    vocab = len(smollm2_tokenizer)
+    text = {**COMMON, "vocab_size": vocab, "head_dim": 16, "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    multimodal = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2, image_token_index=vocab - 1)).eval()
+    multimodal.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    target, _ = load_target(str(tmp_path))
+    assert type(target).__name__ == "Gemma3ForCausalLM" and target.config.model_type == "gemma3_text"
+    assert not [n for n, _ in target.named_parameters() if "vision" in n]
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids).logits, multimodal(input_ids=ids).logits)
+    result = speculative_generate(target, DraftModelProposer(near_copy(target, 0.3)), PROMPT, 24, SamplingParams(0.0),
+                                  3, [])
+    assert result.tokens == greedy(multimodal, PROMPT, 24)
+    assert any(c.accepted < 3 for c in result.cycles)  # rejections rolled back
 
 
 # ------------------------------------------------------------------------------------------- the matrix's edge

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +34,13 @@ from specdrafter.inference.sampling import SamplingParams
 from specdrafter.jobs.decode import build_proposer, decode, load_serving_target
 from specdrafter.jobs.plan import check_training_recipe
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.jobs.train import acceptance_sums, complete_checkpoints, deepspeed_config
+from specdrafter.jobs.train import (
+    STALE_BUILD_LOCK_S,
+    acceptance_sums,
+    clear_stale_build_locks,
+    complete_checkpoints,
+    deepspeed_config,
+)
 from specdrafter.kinds import build_drafter, drafter_path, feature_layers, kind_of
 from specdrafter.models.eagle import Eagle1Head, Eagle3Head, eagle3_config, load_eagle1
 from specdrafter.train.batches import Batch, TrainingData
@@ -995,3 +1002,24 @@ def test_the_probes_backbone_alone_switches_the_markov_head_off_and_back():
             alone, _ = drafter.heads(logits, hidden, prev)
         after, _ = drafter.heads(logits, hidden, prev)
     assert torch.equal(alone, logits) and not torch.equal(before, logits) and torch.equal(after, before)
+
+
+def test_a_build_lock_left_by_a_killed_run_is_removed_and_a_live_one_kept(tmp_path, monkeypatch, caplog):
+    """torch's JIT builds (DeepSpeed's CPU all-reduce op, compiled when the first process group starts) wait forever
+    on a lock file a killed build left; setup_distributed removes a lock older than any build, naming it, and leaves
+    a fresh one (a build running now) alone, in both of torch's layouts."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    now = time.time()
+    locks = {}
+    for where, age in (("deepspeed_shm_comm", 2 * STALE_BUILD_LOCK_S), ("py311_cpu/cpu_adam", 2 * STALE_BUILD_LOCK_S),
+                       ("py311_cpu/deepspeed_shm_comm", 5)):
+        lock = tmp_path / where / "lock"
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+        os.utime(lock, (now - age, now - age))
+        locks[where] = lock
+    with caplog.at_level("WARNING", logger="specdrafter"):
+        removed = clear_stale_build_locks(now)
+    assert sorted(removed) == sorted([locks["deepspeed_shm_comm"], locks["py311_cpu/cpu_adam"]])
+    assert locks["py311_cpu/deepspeed_shm_comm"].exists() and not locks["deepspeed_shm_comm"].exists()
+    assert caplog.text.count("a build lock left 30 min ago by a run killed while it compiled") == 2

@@ -40,6 +40,7 @@ class Shapes:
 
     @classmethod
     def of(cls, c) -> "Shapes":
+        c = c.get_text_config()  # a multimodal target (Gemma 3 from 4B up): its language model's config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
                    getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim, c.vocab_size,
@@ -53,6 +54,7 @@ class Counts:
     frozen: int  # the drafter's frozen parameters (a LoRA base)
     largest: int  # the largest trainable tensor (CPU AdamW works tensor by tensor)
     draft: Optional[Shapes] = None  # a draft model's (or Medusa-2 backbone's) own shapes
+    target_active: int = 0  # the target's parameters one token runs through (MoE: its routed experts only)
 
 
 @dataclass

@@ -1,0 +1,149 @@
+"""Chat formats (data/chat.py, data/regenerate.py:Conversation) on the real chat templates of three families, read
+from llama.cpp's source tree (it ships them for its own template tests): Qwen3 (<think> … </think>), gpt-oss
+(harmony: analysis and final channels) and Gemma (<start_of_turn> … <end_of_turn>, Gemma 2's template, whose turn
+markers Gemma 3 shares). Each template is put on SmolLM2's tokenizer with the family's special tokens added, and
+conversations written in that format go through the data job's own turn builder: the loss mask is 1 on the
+assistant's tokens only, thinking spans leave it when data.loss_on_thinking=false, target.chat_template_kwargs
+reach the template (and are refused when the template never reads them), and a template that drops or refuses
+earlier thinking ends the conversation with a stated reason, never a traceback."""
+
+import copy
+
+import pytest
+from conftest import REPO
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.chat import chat_ids, thinking_format, user_prompt_ids, with_template_kwargs
+from specdrafter.data.regenerate import Conversation, settings_fingerprint
+from specdrafter.jobs.recipe import load_recipe
+
+TEMPLATES = llamacpp.source_dir() / "models" / "templates"
+pytestmark = pytest.mark.skipif(not (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").is_file(),
+                                reason="llama.cpp's source tree is not unpacked (specdrafter-llamacpp install)")
+
+# family: (template file, special tokens to add, EOS, an answer written in the family's format, its thinking)
+FAMILIES = {
+    "qwen3": ("Qwen-Qwen3-0.6B.jinja", ["<think>", "</think>"], "<|im_end|>",
+              "<think>\nTwo and two make four.\n</think>\n\nIt is 4.", "<think>\nTwo and two make four.\n</think>"),
+    "gpt_oss": ("openai-gpt-oss-120b.jinja", ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+                                              "<|constrain|>", "<|call|>"], "<|return|>",
+                "<|channel|>analysis<|message|>Two and two make four.<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>It is 4.",
+                "<|channel|>analysis<|message|>Two and two make four.<|end|>"),
+    "gemma": ("google-gemma-2-2b-it.jinja", ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", "It is 4.", ""),
+}
+
+
+def family_tokenizer(base, family):
+    template, specials, eos, _, _ = FAMILIES[family]
+    tokenizer = copy.deepcopy(base)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = (TEMPLATES / template).read_text()
+    tokenizer.eos_token = eos
+    return tokenizer
+
+
+def conversation():
+    return Conversation({"id": "c", "text": "What is 2+2?", "turns": ["What is 2+2?", "And 3+3?"], "reference": None,
+                         "truncated": False, "source": "target"})
+
+
+def answer_turn(tokenizer, family, thinking=None):
+    """A conversation with one assistant turn written in the family's format, through the data job's builder."""
+    _, _, eos, answer, _ = FAMILIES[family]
+    c = conversation()
+    messages = c.context(tokenizer, 0, 1000, 10_000)
+    eos_ids = [tokenizer.convert_tokens_to_ids(eos)]
+    c.add_turn(messages, tokenizer(answer, add_special_tokens=False)["input_ids"] + eos_ids, tokenizer, eos_ids,
+               thinking)
+    return c
+
+
+def trained_text(tokenizer, c):
+    return tokenizer.decode([t for t, m in zip(c.input_ids, c.loss_mask) if m])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_loss_mask_is_the_assistants_answer_in_each_family_format(smollm2_tokenizer, family):
+    tokenizer = family_tokenizer(smollm2_tokenizer, family)
+    _, _, eos, answer, _ = FAMILIES[family]
+    c = answer_turn(tokenizer, family)
+    prompt = user_prompt_ids(tokenizer, "What is 2+2?")
+    assert c.input_ids[:len(prompt)] == prompt and c.loss_mask == [0] * len(prompt) + [1] * (len(c.input_ids) - len(prompt))
+    assert trained_text(tokenizer, c) == answer + eos  # the whole answer, thinking and its closing EOS included
+    record = c.record()
+    assert record["num_prompt_tokens"] == len(prompt) and record["num_response_tokens"] == len(c.input_ids) - len(prompt)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_loss_on_thinking_false_masks_exactly_the_thinking_span(smollm2_tokenizer, family):
+    tokenizer = family_tokenizer(smollm2_tokenizer, family)
+    _, _, eos, answer, thinking_text = FAMILIES[family]
+    thinking = thinking_format(tokenizer)
+    assert thinking is not None
+    c = answer_turn(tokenizer, family, thinking)
+    assert trained_text(tokenizer, c) == answer.replace(thinking_text, "") + eos
+    assert c.record()["num_response_tokens"] == len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1
+
+
+def test_a_thought_cut_at_max_new_tokens_is_masked_to_the_end(smollm2_tokenizer):
+    tokenizer = family_tokenizer(smollm2_tokenizer, "qwen3")
+    c = conversation()
+    messages = c.context(tokenizer, 0, 1000, 10_000)
+    cut = tokenizer("<think>\nTwo and two", add_special_tokens=False)["input_ids"]  # no </think>, no EOS
+    c.add_turn(messages, cut, tokenizer, [tokenizer.eos_token_id], thinking_format(tokenizer))
+    assert sum(c.loss_mask) == 0 and not c.finished
+
+
+def test_gemma_turns_extend_and_each_answer_is_masked_in(smollm2_tokenizer):
+    """Gemma's template lays earlier turns out as they were generated: a second turn extends the ids, and the mask
+    holds both answers (with their <end_of_turn>) and nothing of the template's."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, "gemma")
+    c = answer_turn(tokenizer, "gemma")
+    messages = c.context(tokenizer, 1, 1000, 10_000)
+    assert messages is not None and c.next_ids[:len(c.input_ids)] == c.input_ids
+    eos = [tokenizer.eos_token_id]
+    c.add_turn(messages, tokenizer("It is 6.", add_special_tokens=False)["input_ids"] + eos, tokenizer, eos)
+    assert trained_text(tokenizer, c) == "It is 4.<end_of_turn>It is 6.<end_of_turn>"
+    assert c.input_ids == chat_ids(tokenizer, c.messages, False)[:len(c.input_ids)]
+
+
+@pytest.mark.parametrize("family, reason", [("qwen3", "roundtrip_mismatch"), ("gpt_oss", "template_refused")])
+def test_a_template_that_drops_or_refuses_earlier_thinking_ends_the_conversation_with_a_reason(
+        smollm2_tokenizer, family, reason):
+    """Qwen3's template drops an earlier answer's <think> block, so the second turn's ids no longer extend the first's;
+    gpt-oss's raises on channel tags in an earlier answer's content. Either ends the conversation after one turn."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, family)
+    c = answer_turn(tokenizer, family)
+    assert c.context(tokenizer, 1, 1000, 10_000) is None and c.stop_reason == reason and not c.open
+
+
+def test_chat_template_kwargs_reach_every_rendering_and_a_key_the_template_never_reads_is_refused(smollm2_tokenizer):
+    qwen = with_template_kwargs(family_tokenizer(smollm2_tokenizer, "qwen3"), {"enable_thinking": False})
+    assert qwen.decode(user_prompt_ids(qwen, "Hi")).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert qwen.chat_template_kwargs == {"enable_thinking": False}
+    oss = with_template_kwargs(family_tokenizer(smollm2_tokenizer, "gpt_oss"), {"reasoning_effort": "low"})
+    assert "Reasoning: low" in oss.decode(user_prompt_ids(oss, "Hi"))
+    with pytest.raises(SpecdrafterError, match=r"target.chat_template_kwargs': the target's chat template never "
+                                               r"reads 'enable_thinkng'; it reads .*enable_thinking"):
+        with_template_kwargs(family_tokenizer(smollm2_tokenizer, "qwen3"), {"enable_thinkng": False})
+
+
+def test_template_kwargs_and_masked_thinking_are_part_of_the_data_settings():
+    recipe = REPO / "recipes" / "smollm2-135m-data.yaml"
+    plain = settings_fingerprint(load_recipe(recipe, []))
+    assert "target.chat_template_kwargs" not in plain and "data.loss_on_thinking" not in plain  # old shards match
+    changed = settings_fingerprint(load_recipe(recipe, ["target.chat_template_kwargs.enable_thinking=false",
+                                                        "data.loss_on_thinking=false"]))
+    assert changed["target.chat_template_kwargs"] == {"enable_thinking": False}
+    assert changed["data.loss_on_thinking"] is False
+
+
+def test_loss_on_thinking_false_on_a_target_without_thinking_markers_is_one_line(smollm2_tokenizer):
+    from specdrafter.data.regenerate import untrained_thinking
+
+    cfg = load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", ["data.loss_on_thinking=false"])
+    with pytest.raises(SpecdrafterError, match="'data.loss_on_thinking' is false, but the target's tokenizer has no "
+                                               "thinking markers"):
+        untrained_thinking(cfg.data, smollm2_tokenizer)
