@@ -87,8 +87,10 @@ def memory_check(plan: Plan) -> Check:
     if plan.fits:
         return True, f"memory {total:.1f} of {plan.budget_gb:g} GiB per GPU ({plan.budget_source})"
     name, size = max(plan.terms.items(), key=lambda kv: kv[1])
-    fix = FIXES[name]
+    fix = "change " + FIXES[name]
+    if name == "target weights" and plan.counts and plan.terms[name] <= 2 * plan.counts.target:  # bf16 already
+        fix = "every rank holds the whole frozen target, already at 2 bytes a weight: use GPUs with more memory"
     if name in KINDS[plan.kind].memory_fixes:
         fix += ", " + KINDS[plan.kind].memory_fixes[name]
     return False, (f"does not fit: {total:.1f} GiB per GPU > {plan.budget_gb:g} GiB ({plan.budget_source}); biggest term "
-                   f"{name} {size / GIB:.1f} GiB: change {fix}")
+                   f"{name} {size / GIB:.1f} GiB: {fix}")

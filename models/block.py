@@ -491,7 +491,8 @@ def copy_target_layers(drafter: BlockDrafter, target: nn.Module) -> List[str]:
         misfit = next((name for name in shared if theirs[name].shape != ours[name].shape), None)
         if misfit is not None:
             raise SpecdrafterError(f"cannot copy target layer {len(source) - n + i} into drafter layer {i}: {misfit} is "
-                                   f"{list(theirs[misfit].shape)} in the target, {list(ours[misfit].shape)} here")
+                                   f"{list(theirs[misfit].shape)} in the target, {list(ours[misfit].shape)} here; set "
+                                   "drafter.block.init_from_target=false to start the drafter's layers fresh")
         layer.load_state_dict({name: theirs[name] for name in shared}, strict=False)
         copied += [f"layers.{i}.{name}" for name in shared]
     return copied

@@ -262,3 +262,13 @@ def test_on_cuda_the_launchers_refuse_a_plan_that_does_not_fit_before_training(s
     assert code.startswith("error: does not fit: ") and "train.gpu_memory_gb" in code and "\n" not in code, code
     assert code.endswith("(launch/plan.py prints the whole plan)")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bf16_target_too_big_for_the_gpu_says_so_rather_than_suggesting_bf16():
+    """Gemma 3 27B's language model in bf16 is 50 GiB on every rank: the plan names the target, already at 2 bytes a
+    weight, and asks for more memory; an fp32 target is told to go bf16."""
+    overrides = ["target.model=google/gemma-3-27b-it", "drafter.eagle.aux_layer_ids=[2,31,59]"]
+    bf16 = " ".join(failures(plan_of(LLAMA8B, *overrides)))
+    assert "biggest term target weights" in bf16 and "already at 2 bytes a weight: use GPUs with more memory" in bf16
+    fp32 = " ".join(failures(plan_of(LLAMA8B, *overrides, "target.dtype=float32")))
+    assert "change target.dtype=bfloat16" in fp32

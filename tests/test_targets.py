@@ -10,7 +10,8 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_first_two_tokens_follow, sample_first_two_through_the_loop
+from conftest import REPO, assert_first_two_tokens_follow, sample_first_two_through_the_loop, small_data_recipe
+from test_regression import TINY  # its 3-step training run: one layer, online features, fp32
 from transformers import (
     AutoModelForCausalLM,
     Cohere2Config,
@@ -31,17 +32,21 @@ from transformers import (
     Qwen3NextConfig,
 )
 
+import specdrafter.jobs.train as train_loop
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import ASDConfig
 from specdrafter.data.assets import load_target
+from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.export.formats import export
 from specdrafter.inference.block import BlockProposer
 from specdrafter.inference.decode import speculative_generate, tree_pass, tree_speculative_generate
 from specdrafter.inference.eagle import EagleProposer
 from specdrafter.inference.proposers import DraftModelProposer, DraftModelTreeProposer
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.models.block import VARIANTS, BlockDrafter, block_config
-from specdrafter.models.eagle import Eagle3Head, eagle3_config
+from specdrafter.jobs.recipe import load_recipe
+from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, load_block_drafter
+from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle3
 from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types
 
 V = 16  # a vocabulary small enough for the χ² test's V² cells
@@ -250,6 +255,55 @@ def test_a_multimodal_gemma3_target_loads_as_its_language_model_and_decodes_exac
                                   3, [])
     assert result.tokens == greedy(multimodal, PROMPT, 24)
     assert any(c.accepted < 3 for c in result.cycles)  # rejections rolled back
+
+
+# ------------------------------------------------------------------------------- data, training and export
+PIPELINE = ["qwen3_moe", "gemma3", "gpt_oss", "qwen3_next"]  # experts; sliding + full; sinks; recurrent layers
+
+
+def saved_target(name, folder, tokenizer):
+    """The architecture's tiny model at SmolLM2's vocabulary, saved with SmolLM2's tokenizer and chat template."""
+    config = ARCHS[name]()
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                                     tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_each_architecture_runs_the_data_job_trains_exports_and_decodes_exactly(
+        name, tmp_path, prompt_file, smollm2_tokenizer, one_thread, in_process_training):
+    """The path a user takes with a non-Llama target: the data job regenerates answers through it, EAGLE-3 and DSpark
+    train on them (online features, the end-of-training decode check included), the vLLM / speculators exports load
+    back, and the exported drafters decode it greedy-exactly. Starting DSpark from Qwen3-Next's own last layer is
+    refused in one line that names the key to turn it off."""
+    folder = saved_target(name, tmp_path / "target", smollm2_tokenizer)
+    generate_dataset(small_data_recipe(tmp_path / "data", folder, prompt_file))
+    if name == "qwen3_next":
+        with pytest.raises(SpecdrafterError, match=r"cannot copy target layer 3 into drafter layer 0: self_attn.q_proj"
+                                                   r".weight is \[128, 64\] .*drafter.block.init_from_target=false"):
+            train_loop.train(load_recipe(REPO / "recipes" / "smollm2-135m-dspark.yaml", [
+                f"output_dir={tmp_path / 'refused'}", f"target.model={folder}", f"train.data_dir={tmp_path / 'data'}",
+                *TINY]))
+    rows = load_generated(tmp_path / "data")
+    assert len(rows) == 8 and all(sum(r["loss_mask"]) == r["num_response_tokens"] > 0 for r in rows)
+    target, _ = load_target(str(folder))
+    prompt = rows[0]["input_ids"][:rows[0]["num_prompt_tokens"]]
+    reference = greedy(target, prompt, 16)
+    # Qwen3-Next's full-attention layers are gated (q_proj twice a plain layer's): DSpark cannot start from them
+    fresh = ["drafter.block.init_from_target=false"] if name == "qwen3_next" else []
+    for kind, fmt in (("eagle3", "vllm"), ("dspark", "speculators")):
+        run = tmp_path / kind
+        train_loop.train(load_recipe(REPO / "recipes" / f"smollm2-135m-{kind}.yaml", [
+            f"output_dir={run}", f"target.model={folder}", f"train.data_dir={tmp_path / 'data'}", *TINY, *fresh]))
+        out = export(run, fmt, tmp_path / f"{kind}-{fmt}")
+        proposer = (EagleProposer(load_eagle3(out), target) if kind == "eagle3"
+                    else BlockProposer(load_block_drafter(out), target))
+        result = speculative_generate(target, proposer, prompt, 16, SamplingParams(0.0), 3, [])
+        assert result.tokens == reference, kind
 
 
 # ------------------------------------------------------------------------------------------- the matrix's edge
