@@ -33,6 +33,9 @@ def write_report(data: dict, out: Path) -> Path:
     newest = _newest(cells)
     lines = [f"# Acceptance report: {data['drafter']} drafter for {data['target']}", ""]
     s = data["settings"]
+    if not cells:  # eval.engines=[llama.cpp]: our loop decoded nothing, so the report is the llama.cpp arm alone
+        lines += [f"{s['num_prompts']} prompts per set, up to {s['max_new_tokens']} new tokens each.", ""]
+        return atomic_write_text(out / "report.md", "\n".join(lines + llamacpp_section(data)) + "\n")
     lines += [f"{s['num_prompts']} prompts per set, up to {s['max_new_tokens']} new tokens each; "
               + machine_line(data.get("machine", {})), ""]
     main = [c for c in cells if c["checkpoint"] == newest and not c["sweep"] and c["verifier"] != "asd"]

@@ -12,6 +12,7 @@ from conftest import RECIPES, REPO, TINY
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.eval.report import write_report
 from specdrafter.export.llamacpp_eval import evaluate, plan_cells
 from specdrafter.jobs.recipe import load_recipe
 
@@ -27,7 +28,7 @@ def recipe(kind, run, target, *extra):
                         f"eval.checkpoint={run}", *extra])
 
 
-def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, gguf_target_dir, caplog):
+def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, gguf_target_dir, caplog, tmp_path):
     run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
     cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[loop,llama.cpp]")
     out = evaluate(cfg)
@@ -45,6 +46,11 @@ def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, ggu
     assert len(data["cells"]) > 0  # the loop's cells, in the same results.json
     report = (out / "report.md").read_text()
     assert "## llama.cpp beside our loop (draft-eagle3" in report and "| loop |" in report
+    alone = tmp_path / "llamacpp-only"  # eval.engines=[llama.cpp]: no empty sections of the loop's
+    alone.mkdir()
+    text = write_report({**data, "cells": [], "baselines": {}}, alone).read_text()
+    assert "## llama.cpp beside our loop (draft-eagle3" in text and "## Checkpoint" not in text
+    assert "## Target-only baselines" not in text and "new tokens each; target step" not in text
     with caplog.at_level("INFO", logger="specdrafter"):
         evaluate(cfg)  # a rerun measures nothing again
     assert f"({len(ids)} already in" in caplog.text
