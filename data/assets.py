@@ -23,7 +23,6 @@ from typing import Dict, Iterator, List, Optional
 import datasets
 import torch
 from filelock import FileLock
-from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdrafter.core.cache import cache_dir
@@ -384,9 +383,7 @@ def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested
     if not tokenizer.chat_template:
         raise SpecdrafterError(f"the tokenizer of target {name!r} has no chat template; "
                                "add one (tokenizer_config.json 'chat_template' or chat_template.jinja)")
-    if chat_template_kwargs:
-        with_template_kwargs(tokenizer, OmegaConf.to_container(chat_template_kwargs)
-                             if isinstance(chat_template_kwargs, DictConfig) else chat_template_kwargs)
+    with_template_kwargs(tokenizer, chat_template_kwargs)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise SpecdrafterError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model embeds only "
                                f"{model.get_input_embeddings().num_embeddings}: tokenizer and target do not match")

@@ -4,7 +4,9 @@ spans of a response that are the target's thinking (docs/chat-formats.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
 
@@ -30,21 +32,21 @@ def eos_token_ids(model, tokenizer=None) -> List[int]:
 
 
 # ------------------------------------------------------------------------------------ template variables
-def with_template_kwargs(tokenizer, kwargs: Optional[dict]):
+def with_template_kwargs(tokenizer, kwargs: Optional[Mapping]):
     """The tokenizer with the recipe's `target.chat_template_kwargs` bound into its `apply_chat_template`, so every
     prompt a job lays out, through our helpers or transformers' own calls, renders the template the same way (a
     call's own keyword still wins). `tokenizer.chat_template_kwargs` keeps them for the servers, which are sent the
     same. The template saved with the tokenizer is unchanged. A key the template never reads is refused in one line:
     Jinja ignores an unknown variable, so a misspelt `enable_thinkng: false` would otherwise change nothing."""
-    kwargs = dict(kwargs or {})
+    kwargs = OmegaConf.to_container(kwargs) if isinstance(kwargs, DictConfig) else dict(kwargs or {})  # JSON for servers
     tokenizer.chat_template_kwargs = kwargs
     if not kwargs:
         return tokenizer
-    unread = sorted(set(kwargs) - template_variables(tokenizer.chat_template))
+    readable = template_variables(tokenizer.chat_template)
+    unread = sorted(set(kwargs) - readable)
     if unread:
         raise SpecdrafterError(f"recipe key 'target.chat_template_kwargs': the target's chat template never reads "
-                               f"{', '.join(map(repr, unread))}; it reads "
-                               f"{', '.join(sorted(template_variables(tokenizer.chat_template))) or 'no variables'}")
+                               f"{', '.join(map(repr, unread))}; it reads {', '.join(sorted(readable)) or 'no variables'}")
     plain = tokenizer.apply_chat_template
 
     def apply_chat_template(conversation, *args, **call_kwargs):

@@ -35,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError
@@ -81,8 +81,7 @@ def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
     arm.update(threads=threads, outtype=e.llamacpp.outtype.value, target_gguf=target.name,
                drafter_gguf=str(drafter.gguf), spec_type=drafter.spec_type, max_k=drafter.max_k,
                calibration=cal.to_json(), choice=asdict(choice))
-    tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder),
-                                     OmegaConf.to_container(cfg.target.chat_template_kwargs))
+    tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder), cfg.target.chat_template_kwargs)
     sets = load_sets(e)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k)
