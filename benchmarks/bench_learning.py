@@ -1,7 +1,7 @@
 """Learning-curve probe: how fast a drafter recipe learns, in drafter-only steps on cached target rows.
 
     python benchmarks/bench_learning.py RECIPE.yaml [key=value ...] [--batches 48] [--steps 150] [--every 50]
-        [--out DIR]
+        [--out DIR] [--rows DIR]
 
 The target runs once over the first `--batches` micro-batches of the recipe's training data and its held-out
 conversations (features and teacher rows, cached in --out, so the next probe on the same data and layers starts at
@@ -40,7 +40,7 @@ import torch
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.data.assets import load_target
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.jobs.train import acceptance_sums, lr_factor, param_groups
+from specdrafter.jobs.train import acceptance_sums, lr_factor, lr_schedule, param_groups
 from specdrafter.kinds import build_drafter, feature_layers
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import run_target
@@ -147,7 +147,7 @@ def setup(args):
                                f"conversations ({len(data.train)} in {tc.data_dir})")
     torch.manual_seed(tc.seed)
     drafter = build_drafter(cfg, target, data, tokenizer)
-    return cfg, drafter, cached_rows(cfg, target, data, drafter, args.batches, Path(args.out))
+    return cfg, drafter, cached_rows(cfg, target, data, drafter, args.batches, Path(args.rows or args.out))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -158,6 +158,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=positive, default=150)
     parser.add_argument("--every", type=positive, default=50)
     parser.add_argument("--out", default="runs/bench_learning")
+    parser.add_argument("--rows", help="where the target's rows are cached (default --out): probes of several "
+                                       "settings on the same data share them")
     parser.add_argument("--swap-context", action="store_true",
                         help="at the end, held-out α̂ with each conversation's target features swapped for another's")
     args = parser.parse_args(argv)
@@ -172,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"{len(store['train'])} training batches ({tokens:,} target tokens), {len(store['held'])} held out", flush=True)
 
     optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0))
+    schedule = lr_schedule(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0))
     objective, curve, started, training = Objective.of(tc), [], time.perf_counter(), 0.0
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()

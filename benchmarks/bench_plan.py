@@ -87,7 +87,8 @@ def worker(recipe: str, overrides, steps: int) -> dict:
 
     from specdrafter.data.assets import load_target
     from specdrafter.jobs.recipe import load_recipe
-    from specdrafter.jobs.train import deepspeed_config, lr_factor, micro_batch_loss, param_groups, setup_distributed
+    from specdrafter.jobs.train import (deepspeed_config, lr_factor, lr_schedule, micro_batch_loss, param_groups,
+                                        setup_distributed)
     from specdrafter.kinds import build_drafter, kind_of
     from specdrafter.train.batches import Batch
 
@@ -113,7 +114,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and cuda)
     optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     total = steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))
+    scheduler = lr_schedule(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=drafter.module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(t, use_bf16))
     B, L, V, d = t.micro_batch_size, t.max_length, target.config.vocab_size, target.config.hidden_size

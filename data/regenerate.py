@@ -22,9 +22,10 @@ import logging
 import random
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import datasets
 import jinja2
@@ -510,22 +511,28 @@ def response_source(d: DictConfig, conversation_id: str) -> str:
     return "target" if random.Random(f"{d.seed}/{conversation_id}").random() < d.target_share else "dataset"
 
 
-def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int], None]):
-    """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server, and
-    llama.cpp: the llama-server jobs/data.py started, whose URL it put in data.servers)."""
+def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int], None],
+                 servers: Optional[List[str]] = None):
+    """The regeneration engine of `data.engine`: this process (hf) or OpenAI-compatible servers (server: data.servers;
+    llama.cpp: `servers`, the llama-server jobs/data.py started)."""
     d = cfg.data
     if d.engine.value in ("server", "llama.cpp"):
-        return ServerEngine(list(d.servers), d.concurrency, tokenizer)
+        return ServerEngine(list(servers or d.servers), d.concurrency, tokenizer)
     return HFEngine(model, tokenizer, d.batch_size, on_batch)
 
 
 # ------------------------------------------------------------------------------------------------- job
-def generate_dataset(cfg: DictConfig) -> dict:
-    """The data job: select prompts, regenerate responses with the target shard by shard, cache features."""
+def generate_dataset(cfg: DictConfig, serve: Optional[Callable[[], ContextManager[List[str]]]] = None) -> dict:
+    """The data job: select prompts, regenerate responses with the target shard by shard, cache features.
+
+    serve: for data.engine=llama.cpp, a context manager that starts the target's server(s) and gives their URLs; it
+    is entered only when some answer is still to be regenerated (a resumed or teacher-forced job starts none)."""
     out = prepare_output(cfg)
     run = start_run(cfg, out)
     todo = shards_to_make(run)
-    generation = generate_missing(run, todo)
+    regenerates = bool(todo) and any(p["source"] == "target" for p in run.selection.prompts)
+    with serve() if serve is not None and regenerates else nullcontext() as servers:
+        generation = generate_missing(run, todo, regenerates, servers)
     if cfg.data.workers > 1:  # hidden states the same way: its own shards first, then any no worker holds
         if run.layer_ids:
             cache_claimed_hidden(run)
@@ -677,20 +684,21 @@ def shard_order(d: DictConfig, todo: List[int]) -> Tuple[List[int], List[int]]:
     return mine, order
 
 
-def generate_missing(run: DataRun, todo: List[int]) -> Generation:
-    """Generate the shards of `todo` that no other worker makes, behind one progress bar."""
+def generate_missing(run: DataRun, todo: List[int], regenerates: bool,
+                     servers: Optional[List[str]] = None) -> Generation:
+    """Generate the shards of `todo` that no other worker makes, behind one progress bar (regenerates: some answer
+    is the target's to write, so the engine is probed first)."""
     d = run.cfg.data
     mine, order = shard_order(d, todo)
     generation = Generation(tqdm(total=sum(len(run.shards[i]) for i in mine) * d.max_turns, unit="turn",
                                  desc="generating", dynamic_ncols=True))
-    engine = build_engine(run.cfg, run.model, run.tokenizer, generation.on_batch)
-    regenerates = todo and any(p["source"] == "target" for p in run.selection.prompts)
-    engine_facts = engine.probe(d.temperature, d.top_p) if regenerates else {}
+    engine = build_engine(run.cfg, run.model, run.tokenizer, generation.on_batch, servers) if regenerates else None
+    engine_facts = engine.probe(d.temperature, d.top_p) if engine is not None else {}
     generation.start = time.perf_counter()  # after the probe: tokens/s is the regeneration's own
     make_shards(run, order, mine, engine, generation)
     generation.progress.close()
     generation.seconds = time.perf_counter() - generation.start
-    generation.engine = {**engine_facts, **engine.counters}
+    generation.engine = {**engine_facts, **(engine.counters if engine is not None else {})}
     return generation
 
 

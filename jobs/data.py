@@ -3,16 +3,18 @@
 
 With data.engine=llama.cpp the job serves the target itself: converted once to GGUF (into the cache, at
 data.llamacpp.outtype, by default target.dtype's), started as a llama-server with data.concurrency slots, each
-holding one whole conversation, and stopped when the job ends, fails or is interrupted. The regeneration then goes
-through the same client as data.engine=server (data/server.py: the probe, the sampled ids, the template check).
+holding one whole conversation, and stopped when the job ends, fails or is interrupted. It is started only when
+some answer is still to be regenerated: a resumed job whose shards are all done, or a teacher-forced one, starts no
+server. The regeneration then goes through the same client as data.engine=server (data/server.py: the probe, the sampled ids, the template check).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from omegaconf import DictConfig
 from transformers import AutoConfig
@@ -31,11 +33,16 @@ SLOT_MARGIN = 16  # tokens a slot keeps beyond its conversation (the template's 
 def run_data_job(cfg: DictConfig) -> dict:
     if cfg.data.engine.value != "llama.cpp":
         return generate_dataset(cfg)
+    return generate_dataset(cfg, serve=lambda: served_target(cfg))
+
+
+@contextmanager
+def served_target(cfg: DictConfig) -> Iterator[List[str]]:
+    """The target's llama-server while the data job regenerates (its GGUF converted first, once): yields its URL."""
     with target_server(cfg) as server:
         log.info(f"llama-server of the target on {server.url}: {server.threads} thread(s), {server.parallel} slot(s) "
                  f"of {server.context // server.parallel} tokens")
-        cfg.data.servers = [server.url]
-        return generate_dataset(cfg)
+        yield [server.url]
 
 
 def target_server(cfg: DictConfig) -> LlamaServer:

@@ -407,11 +407,11 @@ class BlockDrafter(nn.Module):
         hidden = self._layers(x, positions, contexts, slot_mask(context_mask(anchors, T), S))  # [B, N·S, d]
         return self._drafts(hidden.view(B, N, S, -1), target)
 
-    def heads(self, logits: torch.Tensor, hidden: torch.Tensor,
-              prev: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def heads(self, logits: torch.Tensor, hidden: torch.Tensor, prev: Optional[torch.Tensor],
+              detach_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """DSpark's Markov and confidence heads on backbone drafts: logits [..., Vd], hidden [..., d] and the previous
         token of each, prev [...] (target ids). Returns (logits [..., Vd], confidence logits [...] or None); DFlash:
-        the logits unchanged."""
+        the logits unchanged. detach_confidence (training): the confidence head reads its inputs detached."""
         if self.markov_head is None and self.confidence_head is None:
             return logits, None
         if prev is None:
@@ -420,15 +420,17 @@ class BlockDrafter(nn.Module):
                   else hidden.new_zeros(*prev.shape, 0))  # [..., r]
         if self.markov_head is not None:
             logits = logits + self.markov_head.markov_w2(markov).to(logits.dtype)  # [..., Vd]
-        confidence = (self.confidence_head.proj(torch.cat([hidden, markov], dim=-1))[..., 0]
+        reads = torch.cat([hidden, markov], dim=-1)  # [..., d + r]
+        confidence = (self.confidence_head.proj(reads.detach() if detach_confidence else reads)[..., 0]
                       if self.confidence_head is not None else None)  # [...]
         return logits, confidence
 
     def forward(self, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor, target: nn.Module,
-                prev_ids: Optional[torch.Tensor] = None, fused: bool = False) -> BlockDrafts:
+                prev_ids: Optional[torch.Tensor] = None, fused: bool = False,
+                detach_confidence: bool = False) -> BlockDrafts:
         """The training pass: `backbone`, then DSpark's heads teacher-forced on prev_ids [B, N, γ] (`teacher_prev`)."""
         drafts = self.backbone(context, block_ids, anchors, target, fused)
-        logits, confidence = self.heads(drafts.logits, drafts.hidden, prev_ids)
+        logits, confidence = self.heads(drafts.logits, drafts.hidden, prev_ids, detach_confidence)
         return BlockDrafts(logits, drafts.hidden, confidence)
 
     # ---------------------------------------------------------------------------------- training inputs

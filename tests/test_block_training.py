@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import DrafterKind, Recipe
-from specdrafter.jobs.train import param_groups
+from specdrafter.jobs.train import lr_schedule, param_groups
 from specdrafter.models.block import DFLASH, DSPARK, VARIANTS
 from specdrafter.train.batches import Batch
 from specdrafter.train.block import BlockTrainingDrafter, sample_anchors
@@ -119,6 +119,59 @@ def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target
     assert all(p.confidence_loss is not None and p.confidence_loss > 0 for p in predictions)
     plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, DSPARK)
     assert all(p.confidence_loss is None for p in plain.predictions(plain.module, batch, teacher))
+
+
+def dspark_predictions(drafter, target, seed: int = 3):
+    torch.manual_seed(seed)
+    ids = torch.randint(3, V - 1, (1, 12))
+    mask = torch.ones(1, 12, dtype=torch.long)
+    batch = Batch(ids, mask, torch.ones_like(mask))
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    teacher = one_hot_teacher(batch, {k: out.hidden_states[k] for k in drafter.module.feature_layers})
+    torch.manual_seed(seed)  # the same anchors for every drafter built alike
+    return drafter.predictions(drafter.module, batch, teacher)
+
+
+def test_the_confidence_terms_decay_like_the_objective_when_asked(target):
+    """drafter.block.confidence_decay: draft j's BCE term is the undecayed one × exp(−j / loss_decay), the same
+    weight as its objective (DeepSpec's and speculators' trainers weight it so)."""
+    torch.manual_seed(0)
+    plain = BlockTrainingDrafter(recipe("dspark"), target, DSPARK)
+    torch.manual_seed(0)
+    decayed = BlockTrainingDrafter(recipe("dspark", confidence_decay=True), target, DSPARK)
+    for p, d in zip(dspark_predictions(plain, target), dspark_predictions(decayed, target), strict=True):
+        assert d.weight == p.weight < 1 or d.weight == p.weight == 1
+        assert d.confidence_loss.item() == pytest.approx(p.weight * p.confidence_loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_detached_confidence_head_sends_no_gradient_into_the_backbone(target, detach):
+    """drafter.block.confidence_detach: the confidence BCE alone trains the head's projection and nothing under it
+    (backbone layers, fc, Markov W1); without it, its gradient reaches them."""
+    drafter = BlockTrainingDrafter(recipe("dspark", confidence_detach=detach), target, DSPARK)
+    sum(p.confidence_loss for p in dspark_predictions(drafter, target)).backward()
+    grads = {name: p.grad for name, p in drafter.module.named_parameters() if p.requires_grad}
+    assert grads["confidence_head.proj.weight"].abs().sum() > 0
+    reached = {n.split(".")[0] if n.startswith(("layers.", "fc.")) else n for n, g in grads.items()
+               if n.startswith(("layers.", "fc.", "markov_head.markov_w1")) and g is not None and g.abs().sum() > 0}
+    assert reached == (set() if detach else {"layers", "fc", "markov_head.markov_w1.weight"})
+
+
+def test_the_markov_head_can_be_held_back_for_its_first_steps(target):
+    """drafter.block.markov_hold_steps: the Markov head's lr is 0 until that step, then its scaled, scheduled lr;
+    every other parameter follows the schedule from step 0."""
+    drafter = BlockTrainingDrafter(recipe("dspark", markov_lr_scale=5.0, markov_hold_steps=3), target, DSPARK)
+    optimizer = torch.optim.AdamW(param_groups(drafter, 1e-3), lr=1e-3)
+    schedule = lr_schedule(optimizer, lambda s: 0.5)
+    markov = {id(p) for p in drafter.module.markov_head.parameters()}
+    lrs = []
+    for _ in range(5):
+        lrs.append({("markov" if id(g["params"][0]) in markov else "rest"): g["lr"] for g in optimizer.param_groups})
+        optimizer.step()
+        schedule.step()
+    assert [lr["markov"] for lr in lrs] == [0, 0, 0, 2.5e-3, 2.5e-3]
+    assert all(lr["rest"] == 5e-4 for lr in lrs)
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dspark"])

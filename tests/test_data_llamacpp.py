@@ -192,10 +192,12 @@ def test_the_data_job_regenerates_through_llama_server_and_a_drafter_trains_on_i
 
 @needs_llamacpp
 def test_data_engine_llama_cpp_serves_the_target_itself_and_stops_it(server, target_dir, prompt_file, tmp_path,
-                                                                     one_thread):
+                                                                     one_thread, caplog):
     """data.engine=llama.cpp: the job converts the target (into the cache), starts its own llama-server with
     data.concurrency slots and stops it; at T = 0 its rows are those of the same job sent to a server started by
-    hand (data.engine=server), and a rerun finds every shard made. No server of its own is left running."""
+    hand (data.engine=server), and a rerun finds every shard made and starts no server. No server of its own is
+    left running."""
+    caplog.set_level("INFO", logger="specdrafter")
     greedy = ["data.temperature=0", "data.concurrency=2"]
     before = set(llama_server_module._RUNNING)  # the module's own server
     by_hand = generate_dataset(small_data_recipe(tmp_path / "by-hand", target_dir, prompt_file, "data.engine=server",
@@ -203,11 +205,14 @@ def test_data_engine_llama_cpp_serves_the_target_itself_and_stops_it(server, tar
     cfg = small_data_recipe(tmp_path / "own", target_dir, prompt_file, "data.engine=llama.cpp",
                             "data.llamacpp.threads=1", *greedy)
     own = run_data_job(cfg)
+    assert "llama-server of the target on" in caplog.text
     assert own["this_run"]["engine"]["servers"][0]["engine"] == LLAMA_SERVER and set(llama_server_module._RUNNING) == before
     assert own["conversations"] == by_hand["conversations"] == 8
     assert load_generated(tmp_path / "own")["input_ids"] == load_generated(tmp_path / "by-hand")["input_ids"]
+    caplog.clear()
     again = run_data_job(small_data_recipe(tmp_path / "own", target_dir, prompt_file, "data.engine=llama.cpp",
                                            "data.llamacpp.threads=1", *greedy))
+    assert "llama-server of the target on" not in caplog.text and "resuming: 3 of 3 shards already done" in caplog.text
     assert again["this_run"]["generated_conversations"] == 0 and set(llama_server_module._RUNNING) == before
 
 

@@ -83,10 +83,12 @@ class BlockTrainingDrafter:
         self.module, self.target = module, target
         self.teacher_ids = module.draft_ids if Vd < V else None  # the teacher's rows the loss needs (run_target)
         self.anchors, self.decay, self.confidence_weight = b.anchors, b.loss_decay, b.confidence_weight
+        self.confidence_decay, self.confidence_detach = b.confidence_decay, b.confidence_detach
         self.temperature = cfg.train.temperature
         self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
         # jobs/train.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
         self.lr_scales = {"markov_head.": b.markov_lr_scale} if module.markov_head is not None else {}
+        self.lr_holds = {"markov_head.": b.markov_hold_steps} if module.markov_head is not None else {}
 
     def weight(self, j: int) -> float:
         """Draft j's share of the loss (0-based): exp(−j / loss_decay), or 1 with loss_decay 0."""
@@ -97,7 +99,8 @@ class BlockTrainingDrafter:
         anchors, valid = sample_anchors(batch.loss_mask, self.anchors)  # [B, N]
         context = module.context_features(target.features)  # [B, T, m·d_t]
         prev = module.teacher_prev(ids, anchors)  # [B, N, γ] the true previous tokens (DSpark's heads)
-        drafts = module(context, module.block_inputs(ids, anchors), anchors, self.target, prev)
+        drafts = module(context, module.block_inputs(ids, anchors), anchors, self.target, prev,
+                        detach_confidence=self.confidence_detach)
         γ = module.num_drafts
         # draft j counts while x_{a+1..a+1+j} are all target-generated: a contiguous supervised prefix
         supervised = token_windows(batch.loss_mask, anchors, 1, γ, 0).cumprod(-1).bool() & valid[..., None]  # [B, N, γ]
@@ -112,7 +115,8 @@ class BlockTrainingDrafter:
             confidence = None
             if drafts.confidence is not None and self.confidence_weight:
                 accept = acceptance(teacher, draft.detach(), self.temperature, lse)  # [R_j] α of each draft
-                confidence = self.confidence_weight * F.binary_cross_entropy_with_logits(
+                scale = self.confidence_weight * (self.weight(j) if self.confidence_decay else 1.0)
+                confidence = scale * F.binary_cross_entropy_with_logits(
                     drafts.confidence[b, n, j].float(), accept) if len(b) else draft.sum() * 0.0
             pruned = self.teacher_ids is not None
             out.append(Prediction(f"draft{j + 1}", self.weight(j), draft, teacher, module.draft_ids if pruned else None,
