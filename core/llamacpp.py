@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
+from safetensors import safe_open
+
 from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
 
@@ -169,12 +171,33 @@ def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtyp
     cmd = [sys.executable, str(converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
     if target_folder is not None:
         cmd += ["--target-model-dir", str(target_folder)]
+    if expects_mtp_it_lacks(model):
+        cmd += ["--no-mtp"]
     done = subprocess.run(cmd, env=converter_env(), capture_output=True, text=True)
     if done.returncode != 0 or not out.is_file():
         log = home() / "convert.log"  # not in the export, which a failure removes
         log.write_text(done.stdout + done.stderr)
         last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
         raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
+
+
+MTP_EXPECTED = ("Qwen3NextForCausalLM",)  # the converter asserts MTP layers for these unless told --no-mtp
+
+
+def expects_mtp_it_lacks(model: Path) -> bool:
+    """A Qwen3-Next folder without its multi-token-prediction weights (`mtp.*`): a model saved by transformers, which
+    drops them. The converter must be told (--no-mtp), or it stops on an assertion."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if (config.get("architectures") or [None])[0] not in MTP_EXPECTED:
+        return False
+    names = []
+    for f in Path(model).glob("*.safetensors"):
+        with safe_open(f, "pt") as weights:
+            names += list(weights.keys())
+    return not any(n.startswith(("mtp.", "model.mtp.")) for n in names)
 
 
 def files_key(files: List[Path], extra: str = "") -> str:

@@ -244,6 +244,9 @@ class EagleConfig:
     draft_vocab_size: int = checked(0, NON_NEGATIVE)  # most frequent target tokens of the training data; 0 = the full vocabulary
     feature_weight: float = checked(1.0, NON_NEGATIVE)  # EAGLE-1: SmoothL1 feature regression
     ce_weight: float = checked(0.1, NON_NEGATIVE)  # EAGLE-1: weight of the distillation objective
+    # Biases on the head's q/k/v/o projections; null = the target's attention_bias (gpt-oss: true). llama.cpp's
+    # EAGLE-3 layer has none: false for a head that is to be served there.
+    attention_bias: Optional[bool] = None
 
 
 class BlockLength(Enum):

@@ -25,6 +25,15 @@ from specdrafter.core.io import SpecdrafterError, temp_dir_beside
 if TYPE_CHECKING:  # annotations only
     from specdrafter.export.source import Source, Target
 
+# What llama.cpp (11434) cannot serve, by the target's HF architecture, found by serving tiny random models of each
+# (tests/test_llamacpp_targets.py). Its graphs for these targets never expose the layer inputs an EAGLE-3, DFlash or
+# DSpark drafter reads: llama-server aborts at its first request ("layer input tensor is null").
+NO_LAYER_INPUTS = {"Gemma3ForCausalLM": "Gemma 3", "Gemma3ForConditionalGeneration": "Gemma 3",
+                   "DeepseekV3ForCausalLM": "DeepSeek-V3"}
+# Its converter's DFlash/DSpark class calls the target's vocabulary code as its own method, which fails (TypeError
+# from super()) where that code is Qwen3-MoE's.
+BLOCK_CONVERTER_FAILS = {"Qwen3MoeForCausalLM": "Qwen3-MoE"}
+
 DRAFT_FILE = "draft.gguf"
 OUTTYPE = "f32"  # the drafter's weights are trained in fp32; f32 keeps the exported logits ours
 # gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes
@@ -55,6 +64,7 @@ def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
         raise SpecdrafterError(f"--format gguf reads the target's config.json and tokenizer, and {target.name!r} is not "
                                "on this machine (export on the machine that trained it, or fetch the target first)")
     llamacpp.converter()  # one line, before anything is written, if llama.cpp is not installed
+    check_target(spec.spec_type, src.kind.description, target.folder)
     if not spec.pruned_vocab and pruned_vocabulary(src.drafter):
         raise SpecdrafterError(f"--format gguf: llama.cpp's converter keeps no pruned draft vocabulary for "
                                f"{src.kind.description} (it maps no d2t); train it with the full vocabulary "
@@ -63,6 +73,8 @@ def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
     try:
         write_layout(src, stage, target, spec.converts)
         config = json.loads((stage / "config.json").read_text())
+        if spec.spec_type == "draft-eagle3":
+            check_eagle3_biases(config)
         if spec.spec_type == "draft-eagle3" and not config.get("eagle_aux_hidden_state_layer_ids"):
             raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
                                    "converter would serve the head on its default layers")
@@ -70,6 +82,31 @@ def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     check_gguf(folder / DRAFT_FILE, trained_layers(config, spec.spec_type), config)
+
+
+def check_target(spec_type: str, description: str, target_folder: Path) -> None:
+    """One line for a target llama.cpp cannot serve this drafter beside (NO_LAYER_INPUTS, BLOCK_CONVERTER_FAILS), and
+    for an EAGLE-3 head with attention biases (copied from a target that has them, e.g. gpt-oss): llama.cpp's EAGLE-3
+    layer has none, and refuses to load the GGUF."""
+    config = json.loads((Path(target_folder) / "config.json").read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    if spec_type == "draft-simple":
+        return
+    if arch in NO_LAYER_INPUTS:
+        raise SpecdrafterError(f"--format gguf: llama.cpp {llamacpp.SDIST.version} cannot serve {description} beside a "
+                               f"{NO_LAYER_INPUTS[arch]} target ({arch}): its graph for that target does not expose the "
+                               "layer inputs the drafter reads (llama-server aborts); a draft model serves there")
+    if arch in BLOCK_CONVERTER_FAILS and spec_type in ("draft-dflash", "draft-dspark"):
+        raise SpecdrafterError(f"--format gguf: llama.cpp {llamacpp.SDIST.version}'s converter fails on {description} "
+                               f"for a {BLOCK_CONVERTER_FAILS[arch]} target ({arch}: its vocabulary code cannot be "
+                               "called from the DFlash class); EAGLE-3 and a draft model convert there")
+
+
+def check_eagle3_biases(config: dict) -> None:
+    if config.get("attention_bias"):
+        raise SpecdrafterError("--format gguf: this EAGLE-3 head has attention biases (attention_bias true, as its "
+                               "target has), and llama.cpp's EAGLE-3 layer has none: train the head with "
+                               "drafter.eagle.attention_bias=false to serve it in llama.cpp")
 
 
 def pruned_vocabulary(drafter: Path) -> bool:

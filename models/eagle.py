@@ -123,8 +123,10 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(hidden))  # [..., Vd]
 
 
-def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size: int) -> LlamaConfig:
-    """The head's config: one decoder layer with the target's dimensions, in the layout engines load."""
+def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size: int,
+                  attention_bias: Optional[bool] = None) -> LlamaConfig:
+    """The head's config: one decoder layer with the target's dimensions, in the layout engines load (attention
+    biases as the target has them, unless `attention_bias` says)."""
     t = target_config
     return LlamaConfig(
         architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, hidden_size=t.hidden_size,
@@ -133,7 +135,7 @@ def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size:
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
         hidden_act=mlp_activation(t), rms_norm_eps=t.rms_norm_eps, rope_parameters=global_rope(t),
         max_position_embeddings=t.max_position_embeddings,  # copy the target's: a smaller one collapses acceptance
-        attention_bias=getattr(t, "attention_bias", False), vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size,
+        attention_bias=getattr(t, "attention_bias", False) if attention_bias is None else attention_bias, vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=t.hidden_size, tie_word_embeddings=False, bos_token_id=t.bos_token_id,
         eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None),
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True,

@@ -144,10 +144,15 @@ def run_target(target: nn.Module, batch: Batch, layers: List[int], draft_ids: Op
 
 
 # ------------------------------------------------------------------------------------------ draft model
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")  # config lists with one entry per decoder layer
+
+
 def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Module:
     """A small causal LM initialised as a copy of the target's embeddings, the decoder layers `layers` (in that
-    order), final norm and lm_head (trainable, not shared)."""
-    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": len(layers)})
+    order, each keeping its own attention type: `PER_LAYER_KEYS`), final norm and lm_head (trainable, not shared)."""
+    facts = target.config.to_dict()
+    per_layer = {k: [facts[k][i] for i in layers] for k in PER_LAYER_KEYS if isinstance(facts.get(k), list)}
+    config = AutoConfig.for_model(**{**facts, "num_hidden_layers": len(layers), **per_layer})
     draft = AutoModelForCausalLM.from_config(config).to(MASTER_DTYPE)
     source = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layers)}  # draft prefix → target's
     weights = {}
@@ -288,7 +293,7 @@ class Eagle3Drafter:
         L, V = target.config.num_hidden_layers, target.config.vocab_size
         aux = list(e.aux_layer_ids) or default_aux_layers(L)  # checked against the target: kinds/eagle.py: planner_checks
         vocab = e.draft_vocab_size or V
-        head = Eagle3Head(eagle3_config(target.config, aux, vocab)).to(MASTER_DTYPE)
+        head = Eagle3Head(eagle3_config(target.config, aux, vocab, e.attention_bias)).to(MASTER_DTYPE)
         if vocab < V and data is not None:
             d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
             head.d2t.copy_(d2t)

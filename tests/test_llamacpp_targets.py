@@ -1,0 +1,122 @@
+"""llama.cpp beside the targets people bring: each row of the architecture matrix (tests/test_targets.py) as a tiny
+random model at SmolLM2's vocabulary, converted by llama.cpp's own converter and served by llama-server with each
+drafter family exported `--format gguf`. Greedy, 24 tokens: with the drafter the answer is the target's own in
+llama.cpp. Where llama.cpp 11434 cannot serve a family beside a target, the export refuses in one line that says why
+(export/gguf.py: NO_LAYER_INPUTS, BLOCK_CONVERTER_FAILS) instead of a GGUF that aborts llama-server at its first
+request. Needs the llama.cpp build; skipped without it."""
+
+import json
+
+import pytest
+import torch
+from conftest import RECIPES, REPO, TINY
+from omegaconf import OmegaConf
+from test_targets import ARCHS
+from transformers import AutoModelForCausalLM
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.assets import load_target
+from specdrafter.export.formats import export
+from specdrafter.export.gguf import DRAFT_FILE
+from specdrafter.inference.llama_server import LlamaServer
+from specdrafter.jobs.recipe import load_recipe
+from specdrafter.kinds import build_drafter
+
+pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
+
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "dspark": "draft-dspark", "draft_model": "draft-simple"}
+LAYERS = ["drafter.eagle.aux_layer_ids=[1,2,3]", "drafter.block.aux_layer_ids=[1,2,3]"]  # the 4-layer targets'
+OVERRIDES = {
+    "eagle3": ["drafter.eagle.draft_vocab_size=0", "drafter.eagle.attention_bias=false"],  # gpt-oss's biases: below
+    "dflash": ["drafter.block.draft_vocab_size=0", "drafter.block.init_from_target=false"],
+    "dspark": ["drafter.block.draft_vocab_size=0", "drafter.block.init_from_target=false"],
+    "draft_model": ["drafter.num_layers=1"],
+}
+NO_LAYER_INPUTS = "cannot serve .* its graph for that target does not expose the layer inputs"
+REFUSED = {("gemma3", k): NO_LAYER_INPUTS for k in ("eagle3", "dflash", "dspark")}
+REFUSED |= {("deepseek_v3", k): NO_LAYER_INPUTS for k in ("eagle3", "dflash", "dspark")}
+REFUSED |= {("qwen3_moe", k): "converter fails on .* Qwen3-MoE target" for k in ("dflash", "dspark")}
+# llama-server aborts at start-up on a 1-layer draft of Qwen3-Next (its one layer linear attention, no KV cache to
+# allocate: GGML_ASSERT(buffer)); the launcher reports it in one line
+SERVER_FAILS = {("qwen3_next", "draft_model"): "GGML_ASSERT"}
+NAMES = [n for n in ARCHS if n != "llama"]  # Llama: tests/test_gguf.py
+PROMPT = list(range(100, 120))
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, smollm2_tokenizer):
+    """name → (HF folder, target GGUF, the target's greedy answer in llama-server), made once per architecture."""
+    made = {}
+
+    def make(name):
+        if name not in made:
+            folder = tmp_path_factory.mktemp(f"llamacpp-{name}")
+            config = ARCHS[name]()
+            config.vocab_size = len(smollm2_tokenizer)
+            config.bos_token_id = smollm2_tokenizer.bos_token_id
+            config.eos_token_id = config.pad_token_id = smollm2_tokenizer.eos_token_id
+            config.tie_word_embeddings = False
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config)
+            with torch.no_grad():
+                model.lm_head.weight.mul_(30.0)  # decisive greedy: no near-ties for rounding to flip
+            model.save_pretrained(folder / "target")
+            smollm2_tokenizer.save_pretrained(folder / "target")
+            gguf = folder / "target.gguf"
+            llamacpp.convert(folder / "target", gguf)
+            with LlamaServer(gguf, context=512, threads=1) as server:
+                alone = server.complete(PROMPT, NEW)["tokens"]
+            made[name] = (folder / "target", gguf, alone)
+        return made[name]
+    return make
+
+
+def drafter_run(tmp_path, folder, kind, tokenizer, overrides=None):
+    """A run folder with one checkpoint of the kind's drafter (random) for the target in `folder`; returns it and
+    the drafter."""
+    cfg = load_recipe(REPO / "recipes" / f"{RECIPES[kind]}.yaml", [
+        f"output_dir={tmp_path / kind}", f"target.model={folder}", f"drafter.kind={kind}", *TINY, *LAYERS,
+        *(OVERRIDES[kind] if overrides is None else overrides)])
+    target, _ = load_target(str(folder))
+    drafter = build_drafter(cfg, target, None, tokenizer)
+    checkpoint = tmp_path / kind / "checkpoints" / "step-000004"
+    drafter.save(drafter.module, checkpoint / "drafter", tokenizer)
+    (checkpoint / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 4, "drafter": kind, "metrics": {}}))
+    return tmp_path / kind, drafter
+
+
+@pytest.mark.parametrize("kind", list(SPEC_TYPES))
+@pytest.mark.parametrize("name", NAMES)
+def test_each_family_serves_each_target_in_llamacpp_as_the_target_alone_or_is_refused(
+        name, kind, served, tmp_path, smollm2_tokenizer, one_thread):
+    folder, gguf, alone = served(name)
+    run, _ = drafter_run(tmp_path, folder, kind, smollm2_tokenizer)
+    if (name, kind) in REFUSED:
+        with pytest.raises(SpecdrafterError, match=REFUSED[name, kind]):
+            export(run, "gguf", tmp_path / "gguf")
+        assert not (tmp_path / "gguf").exists()  # nothing half-written
+        return
+    out = export(run, "gguf", tmp_path / "gguf")
+    server = LlamaServer(gguf, draft=out / DRAFT_FILE, spec_type=SPEC_TYPES[kind], n_max=3, context=512, threads=1)
+    if (name, kind) in SERVER_FAILS:
+        with pytest.raises(SpecdrafterError, match=SERVER_FAILS[name, kind]), server:
+            pass
+        return
+    with server:
+        drafted = server.complete(PROMPT, NEW)
+    assert len(alone) == NEW and drafted["tokens"] == alone
+    assert drafted["timings"]["draft_n"] > 0  # the drafter drafted, and a random one is mostly rejected: rollbacks ran
+
+
+def test_an_eagle3_head_with_attention_biases_is_refused_for_llamacpp(served, tmp_path, smollm2_tokenizer):
+    """gpt-oss's attention has biases, so a head built as its target has them (drafter.eagle.attention_bias null);
+    llama.cpp's EAGLE-3 layer has none and would refuse the GGUF at load: one line naming the key."""
+    folder, _, _ = served("gpt_oss")
+    run, drafter = drafter_run(tmp_path, folder, "eagle3", smollm2_tokenizer, ["drafter.eagle.draft_vocab_size=0"])
+    assert drafter.module.config.attention_bias is True
+    with pytest.raises(SpecdrafterError, match="drafter.eagle.attention_bias=false"):
+        export(run, "gguf", tmp_path / "gguf")
+    assert not (tmp_path / "gguf").exists()
