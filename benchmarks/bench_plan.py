@@ -87,8 +87,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
 
     from specdrafter.data.assets import load_target
     from specdrafter.jobs.recipe import load_recipe
-    from specdrafter.jobs.train import (deepspeed_config, lr_factor, lr_schedule, micro_batch_loss, param_groups,
-                                        setup_distributed)
+    from specdrafter.jobs.train import deepspeed_config, lr_factor, lr_schedule, micro_batch_loss, param_groups, setup_distributed
     from specdrafter.kinds import build_drafter, kind_of
     from specdrafter.train.batches import Batch
 

@@ -5,7 +5,8 @@ With data.engine=llama.cpp the job serves the target itself: converted once to G
 data.llamacpp.outtype, by default target.dtype's), started as a llama-server with data.concurrency slots, each
 holding one whole conversation, and stopped when the job ends, fails or is interrupted. It is started only when
 some answer is still to be regenerated: a resumed job whose shards are all done, or a teacher-forced one, starts no
-server. The regeneration then goes through the same client as data.engine=server (data/server.py: the probe, the sampled ids, the template check).
+server. The regeneration then goes through the same client as data.engine=server (data/server.py: the probe, the
+sampled ids, the template check).
 """
 
 from __future__ import annotations

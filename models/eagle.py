@@ -135,7 +135,8 @@ def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size:
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
         hidden_act=mlp_activation(t), rms_norm_eps=t.rms_norm_eps, rope_parameters=global_rope(t),
         max_position_embeddings=t.max_position_embeddings,  # copy the target's: a smaller one collapses acceptance
-        attention_bias=getattr(t, "attention_bias", False) if attention_bias is None else attention_bias, vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size,
+        attention_bias=getattr(t, "attention_bias", False) if attention_bias is None else attention_bias,
+        vocab_size=t.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=t.hidden_size, tie_word_embeddings=False, bos_token_id=t.bos_token_id,
         eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None),
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True,
