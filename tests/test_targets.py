@@ -159,7 +159,7 @@ def test_a_tree_over_linear_attention_layers_is_refused_in_one_line(targets):
         DraftModelTreeProposer(targets["mistral"], tree_from_choices(TREE))
 
 
-@pytest.mark.parametrize("name", ["mistral", "gpt_oss", "deepseek_v3", "qwen3_next"])  # window, sinks, MLA, recurrence
+@pytest.mark.parametrize("name", list(ARCHS))
 def test_sampling_at_temperature_1_follows_the_targets_law(targets, name):
     target, n = targets[name], 1200
     counts, accepted, drafted = sample_first_two_through_the_loop(target, DraftModelProposer(near_copy(target, 0.3)),
@@ -206,7 +206,7 @@ def test_a_block_drafter_reads_each_architecture_and_decodes_exactly(targets, na
     assert any(c.accepted < c.drafted for c in result.cycles)  # rejections: the target's cache rolled back
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_next"])  # sliding window + sinks + MoE; recurrent state
+@pytest.mark.parametrize("name", list(ARCHS))
 def test_a_block_drafter_samples_each_architectures_law_at_temperature_1(targets, name):
     target, n = targets[name], 1200
     counts, accepted, drafted = sample_first_two_through_the_loop(
