@@ -110,6 +110,12 @@ class ResponseSource(Enum):
     mix = "mix"  # a seeded share (data.target_share) of conversations regenerated, the rest teacher-forced
 
 
+class RewrittenHistory(Enum):
+    # a template that lays an earlier answer out otherwise than it was generated (Qwen3 drops its <think> block):
+    split = "split"  # the next turn starts a new row, its context as the template renders it (what a server sees)
+    stop = "stop"  # the conversation ends after that answer
+
+
 class Overlong(Enum):
     skip = "skip"  # drop prompts that do not fit (counted)
     truncate = "truncate"  # keep their first tokens (counted)
@@ -190,6 +196,9 @@ class DataConfig:
     # and what a drafter drafts when it serves with thinking on, so it is trained on by default; false masks it out of
     # the loss (docs/chat-formats.md). To generate without thinking, set target.chat_template_kwargs instead.
     loss_on_thinking: bool = True
+    # When the chat template rewrites an earlier answer (Qwen3 drops its thinking), the ids of the next turn no longer
+    # extend the conversation's: split starts a new row there, from the template's own rendering (docs/chat-formats.md)
+    rewritten_history: RewrittenHistory = RewrittenHistory.split
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
     # parallel data jobs on one output_dir (one single-threaded process per core, each with its own data.worker):
     # each claims a shard before making it; worker w takes the shards i with i % workers == w first, then any other

@@ -244,6 +244,9 @@ class Conversation:
     stop_reason: Optional[str] = None
     next_ids: List[int] = field(default_factory=list)  # the ids of the context `context` returned last
     response_tokens: int = 0  # the assistant's tokens (thinking included, trained on or not)
+    split_rewritten: bool = False  # data.rewritten_history=split
+    rows: List[dict] = field(default_factory=list)  # earlier rows, where the template rewrote the history (`split`)
+    row_start: int = 0  # the turn this row starts at
 
     def context(self, tokenizer, turn: int, max_prompt: int, room: int) -> Optional[List[dict]]:
         """Messages for assistant turn `turn` (ending with its user turn), or None (and `open` False) when the
@@ -271,7 +274,11 @@ class Conversation:
                 elif len(ids) > room:
                     stop = "context_full"
                 elif ids[:len(self.input_ids)] != self.input_ids:  # also a template that drops earlier thinking
-                    stop = "roundtrip_mismatch"
+                    if self.split_rewritten:  # this row ends; the next starts from the template's own rendering
+                        self.rows.append(self.record())
+                        self.input_ids, self.loss_mask, self.response_tokens, self.row_start = [], [], 0, turn
+                    else:
+                        stop = "roundtrip_mismatch"
         if stop is not None:
             self.open, self.stop_reason = False, stop
             return None
@@ -292,13 +299,27 @@ class Conversation:
         self.input_ids = ids + response
 
     def record(self) -> dict:
+        """This row (the last one of the conversation: `records` gives them all). A row that starts at turn t > 0 is
+        id "<conversation id>/turn<t>"."""
         n_response = self.response_tokens
         return {
-            "id": self.prompt["id"], "messages": self.messages, "input_ids": self.input_ids, "loss_mask": self.loss_mask,
+            "id": self.prompt["id"] + (f"{ROW_SEPARATOR}{self.row_start}" if self.row_start else ""),
+            "messages": self.messages, "input_ids": self.input_ids, "loss_mask": self.loss_mask,
             "num_prompt_tokens": len(self.input_ids) - n_response, "num_response_tokens": n_response,
             "num_turns": sum(m["role"] == "assistant" for m in self.messages), "finished": self.finished,
             "prompt_truncated": self.prompt["truncated"], "source": self.prompt["source"],
         }
+
+    def records(self) -> List[dict]:
+        """Every row of the conversation: one, or one more per rewritten history (data.rewritten_history=split)."""
+        return self.rows + [self.record()]
+
+
+ROW_SEPARATOR = "/turn"  # a conversation's later rows: "<id>/turn<t>" (data.rewritten_history=split)
+
+
+def conversation_id(row_id: str) -> str:
+    return row_id.split(ROW_SEPARATOR)[0]
 
 
 def reference_response(tokenizer, messages: List[dict], answer: str, context: List[int],
@@ -331,7 +352,8 @@ def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[in
     engine call per turn): the target answers given its own earlier answers, or — source "dataset" — the
     conversation's own answers are laid out by the chat template. Returns one record per conversation with at
     least one assistant turn; why conversations ended (or were skipped) is added to `counts`."""
-    conversations = [Conversation(p) for p in prompts]
+    split = d.rewritten_history.value == "split"
+    conversations = [Conversation(p, split_rewritten=split) for p in prompts]
     thinking = untrained_thinking(d, tokenizer)
     for turn in range(d.max_turns):
         todo = [(c, c.context(tokenizer, turn, max_prompt, room)) for c in conversations if c.open]
@@ -365,7 +387,10 @@ def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[in
         counts[c.stop_reason or "max_turns"] = counts.get(c.stop_reason or "max_turns", 0) + 1
     skipped = sum(not c.messages for c in conversations)
     counts["skipped_without_turns"] = counts.get("skipped_without_turns", 0) + skipped
-    return [c.record() for c in conversations if c.messages]
+    rewritten = sum(len(c.rows) for c in conversations)
+    if rewritten:
+        counts["rows_from_rewritten_history"] = counts.get("rows_from_rewritten_history", 0) + rewritten
+    return [r for c in conversations if c.messages for r in c.records()]
 
 
 # ---------------------------------------------------------------------------------------- hidden states
@@ -423,6 +448,8 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     template = OmegaConf.to_container(cfg.target.chat_template_kwargs)  # absent when unset: older shards still match
     if d["loss_on_thinking"]:
         d.pop("loss_on_thinking")
+    if d["rewritten_history"] == "split":  # the default: absent, so shards made before the key still match
+        d.pop("rewritten_history")
     return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
             **({"target.chat_template_kwargs": template} if template else {}), **{f"data.{k}": v for k, v in d.items()}}
 
@@ -466,9 +493,12 @@ def shard_problem(folder: Path, expected_ids: List[str], settings: dict) -> Opti
 
 
 def is_subsequence(kept: List[str], selected: List[str]) -> bool:
-    """A shard keeps its prompts in order and drops the conversations that got no assistant turn."""
+    """A shard keeps its prompts in order and drops the conversations that got no assistant turn (a conversation's
+    later rows follow its first)."""
+    conversations = [conversation_id(k) for k in kept]
+    conversations = [c for i, c in enumerate(conversations) if i == 0 or c != conversations[i - 1]]
     rest = iter(selected)
-    return all(any(k == s for s in rest) for k in kept)
+    return all(any(k == s for s in rest) for k in conversations)
 
 
 def move_aside(path: Path, output_dir: Path, reason: str) -> None:

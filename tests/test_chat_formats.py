@@ -4,8 +4,9 @@ from llama.cpp's source tree (it ships them for its own template tests): Qwen3 (
 markers Gemma 3 shares). Each template is put on SmolLM2's tokenizer with the family's special tokens added, and
 conversations written in that format go through the data job's own turn builder: the loss mask is 1 on the
 assistant's tokens only, thinking spans leave it when data.loss_on_thinking=false, target.chat_template_kwargs
-reach the template (and are refused when the template never reads them), and a template that drops or refuses
-earlier thinking ends the conversation with a stated reason, never a traceback."""
+reach the template (and are refused when the template never reads them); a template that drops earlier thinking
+starts a new row from its own rendering (or, asked to, ends the conversation with a stated reason), one that refuses
+it ends the conversation with a stated reason, never a traceback."""
 
 import copy
 
@@ -15,8 +16,15 @@ from conftest import REPO
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.chat import chat_ids, thinking_format, user_prompt_ids, with_template_kwargs
-from specdrafter.data.regenerate import Conversation, settings_fingerprint
+from specdrafter.data.regenerate import (
+    Conversation,
+    build_conversations,
+    is_subsequence,
+    settings_fingerprint,
+    write_shard,
+)
 from specdrafter.jobs.recipe import load_recipe
+from specdrafter.train.batches import TrainingData
 
 TEMPLATES = llamacpp.source_dir() / "models" / "templates"
 pytestmark = pytest.mark.skipif(not (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").is_file(),
@@ -44,15 +52,15 @@ def family_tokenizer(base, family):
     return tokenizer
 
 
-def conversation():
+def conversation(split=False):
     return Conversation({"id": "c", "text": "What is 2+2?", "turns": ["What is 2+2?", "And 3+3?"], "reference": None,
-                         "truncated": False, "source": "target"})
+                         "truncated": False, "source": "target"}, split_rewritten=split)
 
 
-def answer_turn(tokenizer, family, thinking=None):
+def answer_turn(tokenizer, family, thinking=None, split=False):
     """A conversation with one assistant turn written in the family's format, through the data job's builder."""
     _, _, eos, answer, _ = FAMILIES[family]
-    c = conversation()
+    c = conversation(split)
     messages = c.context(tokenizer, 0, 1000, 10_000)
     eos_ids = [tokenizer.convert_tokens_to_ids(eos)]
     c.add_turn(messages, tokenizer(answer, add_special_tokens=False)["input_ids"] + eos_ids, tokenizer, eos_ids,
@@ -112,11 +120,36 @@ def test_gemma_turns_extend_and_each_answer_is_masked_in(smollm2_tokenizer):
 @pytest.mark.parametrize("family, reason", [("qwen3", "roundtrip_mismatch"), ("gpt_oss", "template_refused")])
 def test_a_template_that_drops_or_refuses_earlier_thinking_ends_the_conversation_with_a_reason(
         smollm2_tokenizer, family, reason):
-    """Qwen3's template drops an earlier answer's <think> block, so the second turn's ids no longer extend the first's;
-    gpt-oss's raises on channel tags in an earlier answer's content. Either ends the conversation after one turn."""
+    """data.rewritten_history=stop: Qwen3's template drops an earlier answer's <think> block, so the second turn's ids
+    no longer extend the first's; gpt-oss's raises on channel tags in an earlier answer's content (whatever the
+    setting). Either ends the conversation after one turn."""
     tokenizer = family_tokenizer(smollm2_tokenizer, family)
-    c = answer_turn(tokenizer, family)
+    c = answer_turn(tokenizer, family, split=family == "gpt_oss")
     assert c.context(tokenizer, 1, 1000, 10_000) is None and c.stop_reason == reason and not c.open
+    assert [r["id"] for r in c.records()] == ["c"]
+
+
+def test_a_rewritten_history_starts_a_new_row_from_the_templates_own_rendering(smollm2_tokenizer):
+    """data.rewritten_history=split (the default): where Qwen3's template drops the first answer's thinking, the
+    second turn becomes its own row "c/turn1": its ids are the template's rendering of the whole conversation (what a
+    server is sent for that turn), its mask only the new answer; the first row stays as it was generated."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, "qwen3")
+    c = answer_turn(tokenizer, "qwen3", split=True)
+    first = c.record()
+    messages = c.context(tokenizer, 1, 1000, 10_000)
+    assert messages is not None and c.open
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    c.add_turn(messages, tokenizer("<think>\nSix.\n</think>\n\nIt is 6.", add_special_tokens=False)["input_ids"] + eos,
+               tokenizer, eos)
+    rows = c.records()
+    assert [r["id"] for r in rows] == ["c", "c/turn1"] and rows[0] == first
+    second = rows[1]
+    context = chat_ids(tokenizer, messages, True)
+    assert second["input_ids"][:len(context)] == context and "Two and two" not in tokenizer.decode(context)
+    assert second["loss_mask"] == [0] * len(context) + [1] * (len(second["input_ids"]) - len(context))
+    assert tokenizer.decode([t for t, m in zip(second["input_ids"], second["loss_mask"]) if m]) == \
+        "<think>\nSix.\n</think>\n\nIt is 6.<|im_end|>"
+    assert second["num_prompt_tokens"] == len(context) and second["num_turns"] == 2
 
 
 def test_chat_template_kwargs_reach_every_rendering_and_a_key_the_template_never_reads_is_refused(smollm2_tokenizer):
@@ -147,3 +180,31 @@ def test_loss_on_thinking_false_on_a_target_without_thinking_markers_is_one_line
     with pytest.raises(SpecdrafterError, match="'data.loss_on_thinking' is false, but the target's tokenizer has no "
                                                "thinking markers"):
         untrained_thinking(cfg.data, smollm2_tokenizer)
+
+
+def test_the_data_jobs_turn_builder_splits_qwen3_conversations_at_a_rewritten_history(smollm2_tokenizer, tmp_path):
+    """Two teacher-forced turns of Qwen3-format answers through build_conversations (the data job's builder): each
+    conversation gives its first row and a "/turn1" row, the shard's id check accepts them, training holds a
+    conversation's rows out together, and with data.rewritten_history=stop each ends after its first answer."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, "qwen3")
+    answers = ["<think>\nEasy.\n</think>\n\nIt is 4.", "<think>\nAgain.\n</think>\n\nIt is 6."]
+    prompts = [{"id": f"p{i}", "text": "What is 2+2?", "turns": ["What is 2+2?", "And 3+3?"], "reference": answers,
+                "truncated": False, "source": "dataset"} for i in range(3)]
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    for setting, ids in (("split", ["p0", "p0/turn1", "p1", "p1/turn1", "p2", "p2/turn1"]), ("stop", ["p0", "p1", "p2"])):
+        d = load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", ["data.max_turns=2",
+                                                                       f"data.rewritten_history={setting}"]).data
+        counts = {}
+        rows = build_conversations(prompts, None, tokenizer, eos, d, 0, 1000, 10_000, counts)
+        assert [r["id"] for r in rows] == ids and is_subsequence([r["id"] for r in rows], ["p0", "p1", "p2"])
+        assert all(r["num_response_tokens"] == sum(r["loss_mask"]) > 0 for r in rows)
+        assert counts.get("rows_from_rewritten_history", 0) == (3 if setting == "split" else 0)
+        assert counts.get("roundtrip_mismatch", 0) == (0 if setting == "split" else 3)
+    d = load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", ["data.max_turns=2"]).data  # split, the default
+    rows_split = build_conversations(prompts, None, tokenizer, eos, d, 0, 1000, 10_000, {})
+    write_shard(rows_split, ["p0", "p1", "p2"], tmp_path / "shards" / "shard-00000", {})
+    for seed in range(6):
+        data = TrainingData(tmp_path, tokenizer, "qwen3-like", 512, heldout=1, seed=seed)
+        held = {rows_split[i]["id"].split("/")[0] for i in data.heldout}
+        trained = {rows_split[i]["id"].split("/")[0] for i in data.train}
+        assert len(data.heldout) == 2 and len(held) == 1 and not held & trained

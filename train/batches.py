@@ -14,7 +14,7 @@ import torch
 from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.core.weights import mmap_safetensors
-from specdrafter.data.regenerate import load_generated
+from specdrafter.data.regenerate import conversation_id, load_generated
 
 
 @dataclass
@@ -58,11 +58,19 @@ class TrainingData:
         self.masks = [torch.tensor(m[:max_length]) for m in dataset["loss_mask"]]
         self.features = (load_features(data_dir, feature_layers, len(self.sequences), max_length, num_shards)
                          if feature_layers else None)
-        if len(self.sequences) <= heldout:
+        # rows by conversation: a conversation's later rows (data.rewritten_history=split) go where its first goes,
+        # so no held-out row shares a context with a trained one
+        ids = dataset["id"] if "id" in dataset.column_names else [str(i) for i in range(len(self.sequences))]
+        conversations: Dict[str, List[int]] = {}
+        for row, row_id in enumerate(ids):
+            conversations.setdefault(conversation_id(row_id), []).append(row)
+        groups = list(conversations.values())
+        if len(groups) <= heldout:
             raise SpecdrafterError(f"recipe key 'train.heldout' ({heldout}) leaves no training conversations out of "
-                                   f"{len(self.sequences)} in {str(data_dir)!r}")
-        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(seed)).tolist()
-        self.heldout, self.train = sorted(order[:heldout]), sorted(order[heldout:])
+                                   f"{len(groups)} in {str(data_dir)!r}")
+        order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.heldout = sorted(row for g in order[:heldout] for row in groups[g])
+        self.train = sorted(row for g in order[heldout:] for row in groups[g])
         self.seed = seed
 
     def epoch_order(self, epoch: int, group: int = 1) -> List[int]:
