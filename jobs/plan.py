@@ -48,7 +48,7 @@ from specdrafter.jobs.cli import cli
 from specdrafter.jobs.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
 from specdrafter.jobs.plan_report import format_plan
 from specdrafter.kinds import KINDS, kind_of
-from specdrafter.models.targets import language_model_only
+from specdrafter.models.targets import language_model_only, serving_cache_bytes
 from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
 from specdrafter.train.memory import GIB, Counts, Plan, Setup, Shapes, activations, dtype_bytes, model_states
@@ -120,7 +120,9 @@ def make_plan(cfg: DictConfig, recipe: str = "", setup: Optional[Setup] = None,
     source = "this GPU" if budget_gb else ("train.gpu_memory_gb" if cfg.train.gpu_memory_gb else f"default {DEFAULT_GPU_GB:g}")
     budget = budget_gb or cfg.train.gpu_memory_gb or DEFAULT_GPU_GB
     data = data_facts(cfg, T, s)
-    plan = Plan(recipe, kind, s, T, counts, terms, budget, source, data, checks, notes)
+    contexts = sorted({c for c in (4096, 32768, T.positions) if 0 < c <= max(T.positions, 4096)})
+    serving = {c: serving_cache_bytes(tconf, c) for c in contexts}
+    plan = Plan(recipe, kind, s, T, counts, terms, budget, source, data, checks, notes, serving)
     if terms:
         plan.checks += batch_checks(cfg, data, s) + [memory_check(plan)]
     return plan

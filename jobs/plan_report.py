@@ -39,6 +39,10 @@ def format_plan(p: Plan, cfg: DictConfig) -> str:
             lines.append(f"  {_label(name, cfg):<50}{_gib(size)}")
         lines.append(f"  {'total':<50}{_gib(p.total)}  of {p.budget_gb:g} ({p.budget_source})")
         lines += [f"  note: {n}" for n in p.notes]
+    if p.serving_cache:
+        cache = ", ".join(f"{_gib(b).strip()} GiB at {c:,}" for c, b in p.serving_cache.items())
+        lines.append(f"serving: the target's KV cache per sequence (bf16; sliding windows capped, MLA compressed, "
+                     f"linear-attention state fixed): {cache} tokens of context")
     lines += _data_lines(p, cfg)
     lines += _node_lines(p, cfg)
     lines.append("checks")

@@ -54,6 +54,32 @@ def recurrent(config) -> bool:
     return LINEAR in layer_types(config)
 
 
+def serving_cache_bytes(config, context: int, value_bytes: int = 2) -> int:
+    """What a serving engine keeps per sequence of `context` tokens, in bytes at `value_bytes` per value (2: bf16),
+    layer by layer: full attention keys and values for every position (2 · kv_heads · head_dim each); a sliding
+    window only its last `sliding_window` positions; MLA (DeepSeek-V3: kv_lora_rank set) the compressed latent and
+    the RoPE key (kv_lora_rank + qk_rope_head_dim per position, what vLLM, SGLang and llama.cpp cache, not
+    transformers' expanded keys); a linear-attention layer its recurrent state and convolution window, whatever the
+    context."""
+    c = getattr(config, "text_config", None) or config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    window = getattr(c, "sliding_window", None)
+    total = 0
+    for kind in layer_types(c):
+        if kind == LINEAR:  # Gated DeltaNet: a [v_heads, k_dim, v_dim] state and the causal conv's last kernel − 1 inputs
+            key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+            value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+            state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+            total += (state + (2 * key_dim + value_dim) * (c.linear_conv_kernel_dim - 1)) * value_bytes
+            continue
+        positions = min(context, window) if kind == SLIDING and window else context
+        per_position = (c.kv_lora_rank + c.qk_rope_head_dim if getattr(c, "kv_lora_rank", None)
+                        else 2 * heads * head_dim)
+        total += positions * per_position * value_bytes
+    return total
+
+
 def mlp_activation(config) -> str:
     """The target's MLP activation, for a drafter layer built at its width (Gemma names it hidden_activation)."""
     return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"

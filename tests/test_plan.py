@@ -8,11 +8,13 @@ import sys
 import pytest
 import torch
 from conftest import REPO
+from transformers import Qwen3NextConfig
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.jobs.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
 from specdrafter.jobs.plan import main as plan_main
 from specdrafter.jobs.recipe import load_recipe
+from specdrafter.models.targets import serving_cache_bytes
 
 LLAMA8B = REPO / "recipes" / "llama8b.yaml"
 EIGHT = Setup(world=8, gpus_per_node=8)
@@ -152,6 +154,36 @@ def test_each_shipped_hub_target_counts_its_published_parameters(model, total, a
                 "drafter.eagle.draft_vocab_size=1000", "train.max_length=256").counts
     assert c.target == pytest.approx(total, rel=0.005)
     assert c.target_active == pytest.approx(active, rel=0.01)
+
+
+# Serving KV cache per sequence at 32,768 tokens, bf16, by hand from each published config:
+# Qwen3-8B 36 layers × 2 (K, V) × 8 heads × 128 × 2 B = 144 KiB a position; gpt-oss-20b 12 full layers × 2 × 8 × 64 ×
+# 2 B a position plus 12 sliding ones holding their last 128; DeepSeek-V3's MLA 61 × (512 latent + 64 RoPE key) × 2 B;
+# Gemma-3-27B 10 full of 62 layers × 2 × 16 × 128 × 2 B, the other 52 capped at their window of 1,024.
+KIB = 1024
+SERVING = [("Qwen/Qwen3-8B", 144 * KIB * 32768), ("openai/gpt-oss-20b", 12 * 2048 * 32768 + 12 * 2048 * 128),
+           ("deepseek-ai/DeepSeek-V3", 61 * 576 * 2 * 32768),
+           ("google/gemma-3-27b-it", 10 * 8 * KIB * 32768 + 52 * 8 * KIB * 1024),
+           ("meta-llama/Llama-3.1-8B-Instruct", 128 * KIB * 32768)]
+
+
+@pytest.mark.parametrize("model,expected", SERVING, ids=[m.split("/")[1] for m, _ in SERVING])
+def test_the_plan_gives_the_serving_kv_cache_each_architecture_keeps(model, expected):
+    """What an engine caches per sequence: full layers every position, sliding layers their window, MLA its compressed
+    latent; printed in the plan."""
+    assert serving_cache_bytes(target_config(model), 32768) == expected
+    plan = plan_of(LLAMA8B, f"target.model={model}", "drafter.eagle.aux_layer_ids=[1,2,3]",
+                   "drafter.eagle.draft_vocab_size=1000", "train.max_length=256")
+    assert plan.serving_cache[32768] == expected
+
+
+def test_a_linear_attention_layers_state_does_not_grow_with_the_context():
+    config = Qwen3NextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    full = 2 * 2 * 16 * 2  # one full-attention layer of four: K and V, 2 heads × 16, bf16, a position
+    state = 3 * (4 * 16 * 16 + (2 * 32 + 64) * 3) * 2  # three linear layers: the state and the conv's last 3 inputs
+    assert [serving_cache_bytes(config, n) for n in (1, 100)] == [state + full, state + 100 * full]
 
 
 HUB_RECIPES = ["qwen3-8b-eagle3.yaml", "qwen3-8b-dspark.yaml", "gpt-oss-20b-eagle3.yaml"]

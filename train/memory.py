@@ -355,6 +355,8 @@ class Plan:
     data: Dict[str, object]
     checks: List[Tuple[bool, str]]
     notes: List[str]
+    # serving the target: its KV cache (models/targets.py:serving_cache_bytes) per sequence, bf16, {context: bytes}
+    serving_cache: Dict[int, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
