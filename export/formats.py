@@ -484,6 +484,9 @@ def check_no_leaks(folder: Path, local_paths: List[Path]) -> None:
         if path.suffix == ".safetensors":  # only the JSON header: raw weight bytes match anything by chance
             with open(path, "rb") as f:
                 text = f.read(int.from_bytes(f.read(8), "little")).decode("utf-8", "replace")
+        elif path.suffix == ".gguf":  # its metadata, not its weights nor the target's vocabulary (Qwen's has "/root")
+            from specdrafter.export.gguf import read_gguf
+            text = json.dumps(read_gguf(path)["fields"])
         else:
             text = path.read_text(encoding="utf-8", errors="replace")
         authored = path.name not in TOKENIZER_FILES
