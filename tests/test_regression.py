@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
+from safetensors.torch import load_file
 
 import specdrafter.jobs.train as train_loop
 from specdrafter.data.regenerate import generate_dataset
@@ -73,3 +75,21 @@ def test_fixed_tiny_run_logs_the_recorded_losses(kind, tmp_path, tiny_target, fi
     losses = [r["loss"] for r in records]
     print(f"{kind}: {losses!r}")  # shown when it fails: the numbers to record after a deliberate change
     assert losses == pytest.approx(EXPECTED[kind], rel=1e-4)
+
+
+def test_a_held_markov_head_does_not_learn_through_the_real_loop(tmp_path, tiny_target, fixed_data, one_thread,
+                                                                 in_process_training):
+    """drafter.block.markov_hold_steps through DeepSpeed's engine and scheduler: held for the whole run, the Markov
+    head's learning rate does not matter (two scales, bit-identical drafters); released from step 0, it does."""
+    def trained(name, *extra):
+        train_loop.train(load_recipe(REPO / "recipes" / "smollm2-135m-dspark.yaml", [
+            f"output_dir={tmp_path / name}", f"target.model={tiny_target}", f"train.data_dir={fixed_data}", *TINY,
+            *extra]))
+        return load_file(tmp_path / name / "checkpoints" / f"step-{STEPS:06d}" / "drafter" / "model.safetensors")
+
+    held = trained("held", f"drafter.block.markov_hold_steps={STEPS}")
+    held_faster = trained("held-faster", f"drafter.block.markov_hold_steps={STEPS}", "drafter.block.markov_lr_scale=50")
+    free_faster = trained("free-faster", "drafter.block.markov_lr_scale=50")
+    assert held.keys() == held_faster.keys() and any(k.startswith("markov_head.") for k in held)
+    assert all(torch.equal(held[k], held_faster[k]) for k in held)
+    assert not torch.equal(held["markov_head.markov_w2.weight"], free_faster["markov_head.markov_w2.weight"])
