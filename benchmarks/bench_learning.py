@@ -174,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"{len(store['train'])} training batches ({tokens:,} target tokens), {len(store['held'])} held out", flush=True)
 
     optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    schedule = lr_schedule(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0))
+    schedule = lr_schedule(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0), args.steps)
     objective, curve, started, training = Objective.of(tc), [], time.perf_counter(), 0.0
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()

@@ -113,7 +113,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and cuda)
     optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     total = steps
-    scheduler = lr_schedule(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio))
+    scheduler = lr_schedule(optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.min_lr_ratio), total)
     engine, _, _, _ = deepspeed.initialize(model=drafter.module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(t, use_bf16))
     B, L, V, d = t.micro_batch_size, t.max_length, target.config.vocab_size, target.config.hidden_size

@@ -282,9 +282,9 @@ class BlockConfig:
     # the Markov head's learning rate ÷ train.lr: its previous-token embedding is sparse (a row moves only when its
     # token occurs), and at 1 it barely moves in a CPU-sized run (docs/block-drafters.md#the-markov-heads-learning-rate)
     markov_lr_scale: float = checked(10.0, POSITIVE)
-    # DSpark: the Markov head's learning rate is 0 for this many optimizer steps (its moments still gather), so the
-    # backbone learns the first drafts before the bigram head takes the easy part of them
-    markov_hold_steps: int = checked(0, NON_NEGATIVE)
+    # DSpark: the Markov head's learning rate is 0 for this share of the run's optimizer steps (its moments still
+    # gather), so the backbone learns the drafts before the bigram head takes the easy part of them
+    markov_hold: float = checked(0.0, Rule(lambda v: 0 <= v < 1, "in [0, 1)"))
     confidence_weight: float = checked(1.0, NON_NEGATIVE)  # DSpark: BCE(confidence, 1 − TV) beside the objective
     confidence_decay: bool = False  # DSpark: draft j's BCE term also weighted by exp(−j / loss_decay), as its objective
     # DSpark: the confidence head reads the backbone's hidden state and the Markov embedding detached, so its BCE

@@ -144,21 +144,23 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def param_groups(drafter, lr: float) -> List[dict]:
     """The trainable parameters, grouped by learning rate: a drafter may scale some (drafter.lr_scales:
-    {parameter-name prefix: factor}) and hold some at lr 0 for their first steps (drafter.lr_holds: {prefix: steps})."""
+    {parameter-name prefix: factor}) and hold some at lr 0 for a first share of the run (drafter.lr_holds:
+    {prefix: share}, `lr_schedule`)."""
     scales, holds = getattr(drafter, "lr_scales", {}), getattr(drafter, "lr_holds", {})
     groups: Dict[tuple, list] = {}
     for name, p in drafter.module.named_parameters():
         if p.requires_grad:
             scale = next((f for prefix, f in scales.items() if name.startswith(prefix)), 1.0)
-            hold = next((n for prefix, n in holds.items() if name.startswith(prefix)), 0)
+            hold = next((h for prefix, h in holds.items() if name.startswith(prefix)), 0.0)
             groups.setdefault((scale, hold), []).append(p)
-    return [{"params": ps, "lr": lr * scale, "hold_steps": hold} for (scale, hold), ps in groups.items()]
+    return [{"params": ps, "lr": lr * scale, "hold": hold} for (scale, hold), ps in groups.items()]
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, factor) -> torch.optim.lr_scheduler.LambdaLR:
-    """Each group's lr × factor(step), and 0 while step < its `hold_steps` (param_groups)."""
+def lr_schedule(optimizer: torch.optim.Optimizer, factor, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Each group's lr × factor(step), and 0 for its first round(hold × total) steps (param_groups)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, [
-        lambda s, hold=g.get("hold_steps", 0): factor(s) if s >= hold else 0.0 for g in optimizer.param_groups])
+        lambda s, held=round(g.get("hold", 0.0) * total): factor(s) if s >= held else 0.0
+        for g in optimizer.param_groups])
 
 
 def deepspeed_config(tc: DictConfig, bf16: bool) -> dict:
@@ -330,7 +332,7 @@ def setup(cfg: DictConfig) -> Run:
                                "train.grad_accum")
     total = tc.max_steps or tc.epochs * per_epoch // tc.grad_accum
     optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
-    scheduler = lr_schedule(optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.min_lr_ratio))
+    scheduler = lr_schedule(optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.min_lr_ratio), total)
     engine, _, _, _ = deepspeed.initialize(model=drafter.module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(tc, use_bf16))
     progress = Progress()

@@ -159,11 +159,11 @@ def test_a_detached_confidence_head_sends_no_gradient_into_the_backbone(target, 
 
 
 def test_the_markov_head_can_be_held_back_for_its_first_steps(target):
-    """drafter.block.markov_hold_steps: the Markov head's lr is 0 until that step, then its scaled, scheduled lr;
-    every other parameter follows the schedule from step 0."""
-    drafter = BlockTrainingDrafter(recipe("dspark", markov_lr_scale=5.0, markov_hold_steps=3), target, DSPARK)
+    """drafter.block.markov_hold: the Markov head's lr is 0 for that share of the run (0.3 of 10 steps: 3), then its
+    scaled, scheduled lr; every other parameter follows the schedule from step 0."""
+    drafter = BlockTrainingDrafter(recipe("dspark", markov_lr_scale=5.0, markov_hold=0.3), target, DSPARK)
     optimizer = torch.optim.AdamW(param_groups(drafter, 1e-3), lr=1e-3)
-    schedule = lr_schedule(optimizer, lambda s: 0.5)
+    schedule = lr_schedule(optimizer, lambda s: 0.5, 10)
     markov = {id(p) for p in drafter.module.markov_head.parameters()}
     lrs = []
     for _ in range(5):

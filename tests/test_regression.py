@@ -79,7 +79,7 @@ def test_fixed_tiny_run_logs_the_recorded_losses(kind, tmp_path, tiny_target, fi
 
 def test_a_held_markov_head_does_not_learn_through_the_real_loop(tmp_path, tiny_target, fixed_data, one_thread,
                                                                  in_process_training):
-    """drafter.block.markov_hold_steps through DeepSpeed's engine and scheduler: held for the whole run, the Markov
+    """drafter.block.markov_hold through DeepSpeed's engine and scheduler: held for the whole run, the Markov
     head's learning rate does not matter (two scales, bit-identical drafters); released from step 0, it does."""
     def trained(name, *extra):
         train_loop.train(load_recipe(REPO / "recipes" / "smollm2-135m-dspark.yaml", [
@@ -87,8 +87,8 @@ def test_a_held_markov_head_does_not_learn_through_the_real_loop(tmp_path, tiny_
             *extra]))
         return load_file(tmp_path / name / "checkpoints" / f"step-{STEPS:06d}" / "drafter" / "model.safetensors")
 
-    held = trained("held", f"drafter.block.markov_hold_steps={STEPS}")
-    held_faster = trained("held-faster", f"drafter.block.markov_hold_steps={STEPS}", "drafter.block.markov_lr_scale=50")
+    held = trained("held", "drafter.block.markov_hold=0.99")  # round(0.99 × 3 steps) = all 3
+    held_faster = trained("held-faster", "drafter.block.markov_hold=0.99", "drafter.block.markov_lr_scale=50")
     free_faster = trained("free-faster", "drafter.block.markov_lr_scale=50")
     assert held.keys() == held_faster.keys() and any(k.startswith("markov_head.") for k in held)
     assert all(torch.equal(held[k], held_faster[k]) for k in held)

@@ -88,7 +88,7 @@ class BlockTrainingDrafter:
         self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
         # jobs/train.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
         self.lr_scales = {"markov_head.": b.markov_lr_scale} if module.markov_head is not None else {}
-        self.lr_holds = {"markov_head.": b.markov_hold_steps} if module.markov_head is not None else {}
+        self.lr_holds = {"markov_head.": b.markov_hold} if module.markov_head is not None else {}
 
     def weight(self, j: int) -> float:
         """Draft j's share of the loss (0-based): exp(−j / loss_decay), or 1 with loss_decay 0."""
