@@ -1,5 +1,5 @@
 #!/bin/bash
-# DSpark ablations (issue 37): each row of settings.txt is one learning-curve probe (benchmarks/bench_learning.py) of
+# DSpark ablations: each row of settings.txt is one learning-curve probe (benchmarks/bench_learning.py) of
 # the main job's DSpark recipe on the main job's teacher-forced data, 300 drafter-only steps, one thread on one core,
 # one probe at a time; the target's rows are computed once and shared (--rows). A finished row is skipped on a rerun.
 #   python launch/generate_data.py recipes/smollm2-135m-data.yaml target.dtype=float32 \

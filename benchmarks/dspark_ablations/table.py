@@ -1,4 +1,5 @@
-"""The DSpark ablation table (issue 37) from the probes' learning.json files: python table.py OUT_DIR.
+"""The DSpark ablation table from the probes' learning.json files: python table.py OUT_DIR (run.sh's, or
+docs/results/dspark-ablations, which holds copies).
 
 Per row: held-out α̂ of draft 1 and the mean of drafts 2–8 (T = 1, 16 held-out conversations), the same with every
 conversation's target features swapped for another's (the relative drop says how much the drafter reads the
@@ -30,9 +31,9 @@ def main(out: Path) -> None:
     print("| row | settings | α̂ draft 1 | α̂ drafts 2–8 | draft 1, context swapped | backbone alone, draft 1 | "
           "backbone alone, swapped | τ | train s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in names:
-        path = out / name / "learning.json"
-        if path.is_file():
+    for name in names:  # a run folder's NAME/learning.json, or the copies in docs/results/dspark-ablations/NAME.json
+        path = next((p for p in (out / name / "learning.json", out / f"{name}.json") if p.is_file()), None)
+        if path is not None:
             print(row(name, json.loads(path.read_text())))
 
 
