@@ -56,8 +56,8 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_writ
 from specdrafter.core.weights import save_weights
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.export import block as block_export
+from specdrafter.export.gguf import read_gguf, write_gguf
 from specdrafter.export.gguf import serving as gguf_serving
-from specdrafter.export.gguf import write_gguf
 from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.export.source import (
     Source,
@@ -485,7 +485,6 @@ def check_no_leaks(folder: Path, local_paths: List[Path]) -> None:
             with open(path, "rb") as f:
                 text = f.read(int.from_bytes(f.read(8), "little")).decode("utf-8", "replace")
         elif path.suffix == ".gguf":  # its metadata, not its weights nor the target's vocabulary (Qwen's has "/root")
-            from specdrafter.export.gguf import read_gguf
             text = json.dumps(read_gguf(path)["fields"])
         else:
             text = path.read_text(encoding="utf-8", errors="replace")

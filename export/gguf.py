@@ -75,10 +75,10 @@ def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
         config = json.loads((stage / "config.json").read_text())
         if spec.spec_type == "draft-eagle3":
             check_eagle3_biases(config)
-        if spec.spec_type == "draft-simple" and "full_attention" not in config.get("layer_types", ["full_attention"]):
-            raise SpecdrafterError(f"--format gguf: this draft model's layers are all {config['layer_types'][0]}, and "
+        if spec.spec_type == "draft-simple" and set(config.get("layer_types") or ["?"]) == {"linear_attention"}:
+            raise SpecdrafterError("--format gguf: this draft model's layers are all linear_attention, and "
                                    "llama-server aborts at start-up on a model with no KV-cache layer "
-                                   "(GGML_ASSERT(buffer)); train it with enough layers to include a full-attention one "
+                                   "(GGML_ASSERT(buffer)); train it with enough layers to include an attention one "
                                    "(drafter.num_layers)")
         if spec.spec_type == "draft-eagle3" and not config.get("eagle_aux_hidden_state_layer_ids"):
             raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
