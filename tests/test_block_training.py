@@ -101,26 +101,6 @@ def test_each_draft_is_compared_with_the_target_row_of_the_token_it_drafts(targe
     assert len(predictions[0].target_logits) > len(predictions[-1].target_logits)  # the cut shortened blocks
 
 
-def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target):
-    drafter = BlockTrainingDrafter(recipe("dspark"), target, DSPARK)
-    torch.manual_seed(3)
-    ids = torch.randint(3, V - 1, (1, 12))
-    mask = torch.ones(1, 12, dtype=torch.long)
-    batch = Batch(ids, mask, torch.ones_like(mask))
-    with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-    teacher = one_hot_teacher(batch, {k: out.hidden_states[k] for k in drafter.module.feature_layers})
-    predictions = drafter.predictions(drafter.module, batch, teacher)
-    objective = Objective({"soft_ce": 0.1, "tv": 0.9})
-    confidence = drafter.module.confidence_head.proj
-    total = sum(p.loss(objective)[0] for p in predictions)
-    total.backward()
-    assert confidence.weight.grad is not None and confidence.weight.grad.abs().sum() > 0
-    assert all(p.confidence_loss is not None and p.confidence_loss > 0 for p in predictions)
-    plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, DSPARK)
-    assert all(p.confidence_loss is None for p in plain.predictions(plain.module, batch, teacher))
-
-
 def dspark_predictions(drafter, target, seed: int = 3):
     torch.manual_seed(seed)
     ids = torch.randint(3, V - 1, (1, 12))
@@ -131,6 +111,19 @@ def dspark_predictions(drafter, target, seed: int = 3):
     teacher = one_hot_teacher(batch, {k: out.hidden_states[k] for k in drafter.module.feature_layers})
     torch.manual_seed(seed)  # the same anchors for every drafter built alike
     return drafter.predictions(drafter.module, batch, teacher)
+
+
+def test_dspark_trains_its_confidence_towards_the_acceptance_of_its_draft(target):
+    drafter = BlockTrainingDrafter(recipe("dspark"), target, DSPARK)
+    predictions = dspark_predictions(drafter, target)
+    objective = Objective({"soft_ce": 0.1, "tv": 0.9})
+    confidence = drafter.module.confidence_head.proj
+    total = sum(p.loss(objective)[0] for p in predictions)
+    total.backward()
+    assert confidence.weight.grad is not None and confidence.weight.grad.abs().sum() > 0
+    assert all(p.confidence_loss is not None and p.confidence_loss > 0 for p in predictions)
+    plain = BlockTrainingDrafter(recipe("dspark", confidence_weight=0.0), target, DSPARK)
+    assert all(p.confidence_loss is None for p in dspark_predictions(plain, target))
 
 
 def test_the_confidence_terms_decay_like_the_objective_when_asked(target):
