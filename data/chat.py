@@ -3,6 +3,7 @@ spans of a response that are the target's thinking (docs/chat-formats.md)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
 
@@ -20,6 +21,25 @@ def chat_ids(tokenizer, messages: List[dict], generation_prompt: bool) -> List[i
 def user_prompt_ids(tokenizer, text: str) -> List[int]:
     """A single-turn chat prompt: the user's `text` and the assistant's generation prompt."""
     return chat_ids(tokenizer, [{"role": "user", "content": text}], True)
+
+
+# one harmony message in a gpt-oss answer: its channel and its text (the first one's <|start|>assistant is the
+# generation prompt's, so it is not in the answer; the last one's <|return|> is the EOS, cut before decoding)
+HARMONY_MESSAGE = re.compile(r"(?:<\|start\|>assistant)?<\|channel\|>(\w+)<\|message\|>(.*?)(?:<\|end\|>|$)", re.S)
+
+
+def assistant_message(text: str) -> dict:
+    """An answer the target generated, as its chat template takes an assistant turn back. A harmony answer (gpt-oss)
+    is split by channel: its analysis into `thinking`, its final answer into `content`, since that template refuses
+    channel tags in either field (and, as every server does, drops the analysis of earlier turns). Any other text
+    stays whole in `content`: Qwen3's template finds the <think> block in it itself."""
+    if "<|channel|>" not in text:
+        return {"role": "assistant", "content": text}
+    parts = HARMONY_MESSAGE.findall(text)
+    message = {"role": "assistant", "content": "".join(body for channel, body in parts if channel == "final")}
+    if any(channel == "analysis" for channel, _ in parts):
+        message["thinking"] = "".join(body for channel, body in parts if channel == "analysis")
+    return message
 
 
 def eos_token_ids(model, tokenizer=None) -> List[int]:

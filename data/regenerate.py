@@ -50,7 +50,15 @@ from specdrafter.core.io import (
 )
 from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
-from specdrafter.data.chat import Thinking, chat_ids, eos_token_ids, thinking_format, thinking_mask, user_prompt_ids
+from specdrafter.data.chat import (
+    Thinking,
+    assistant_message,
+    chat_ids,
+    eos_token_ids,
+    thinking_format,
+    thinking_mask,
+    user_prompt_ids,
+)
 from specdrafter.data.server import ServerEngine
 from specdrafter.models.features import capture_features, check_layer_ids
 from specdrafter.models.targets import new_cache
@@ -292,7 +300,7 @@ class Conversation:
         ids = self.next_ids
         self.finished = bool(response) and response[-1] in eos
         text = tokenizer.decode(response[:-1] if self.finished else response)
-        self.messages = messages + [{"role": "assistant", "content": text}]
+        self.messages = messages + [assistant_message(text)]
         trained = thinking_mask(response, thinking) if thinking else [1] * len(response)
         self.loss_mask = self.loss_mask + [0] * (len(ids) - len(self.input_ids)) + trained
         self.response_tokens += len(response)
@@ -326,7 +334,7 @@ def reference_response(tokenizer, messages: List[dict], answer: str, context: Li
                        eos: Sequence[int]) -> Optional[List[int]]:
     """The dataset's own assistant turn as the template lays it out after `context`, through its closing EOS
     (None if the template does not extend the context or closes the turn with no EOS)."""
-    full = chat_ids(tokenizer, messages + [{"role": "assistant", "content": answer}], False)
+    full = chat_ids(tokenizer, messages + [assistant_message(answer)], False)
     if full[:len(context)] != context:
         return None
     tail = full[len(context):]

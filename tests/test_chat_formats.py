@@ -117,16 +117,36 @@ def test_gemma_turns_extend_and_each_answer_is_masked_in(smollm2_tokenizer):
     assert c.input_ids == chat_ids(tokenizer, c.messages, False)[:len(c.input_ids)]
 
 
-@pytest.mark.parametrize("family, reason", [("qwen3", "roundtrip_mismatch"), ("gpt_oss", "template_refused")])
-def test_a_template_that_drops_or_refuses_earlier_thinking_ends_the_conversation_with_a_reason(
-        smollm2_tokenizer, family, reason):
-    """data.rewritten_history=stop: Qwen3's template drops an earlier answer's <think> block, so the second turn's ids
-    no longer extend the first's; gpt-oss's raises on channel tags in an earlier answer's content (whatever the
-    setting). Either ends the conversation after one turn."""
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_a_template_that_drops_earlier_thinking_ends_the_conversation_when_asked_to(smollm2_tokenizer, family):
+    """data.rewritten_history=stop: Qwen3's template drops an earlier answer's <think> block and gpt-oss's its
+    analysis channel, so the second turn's ids no longer extend the first's: the conversation ends after one turn."""
     tokenizer = family_tokenizer(smollm2_tokenizer, family)
-    c = answer_turn(tokenizer, family, split=family == "gpt_oss")
-    assert c.context(tokenizer, 1, 1000, 10_000) is None and c.stop_reason == reason and not c.open
+    c = answer_turn(tokenizer, family)
+    assert c.context(tokenizer, 1, 1000, 10_000) is None and c.stop_reason == "roundtrip_mismatch" and not c.open
     assert [r["id"] for r in c.records()] == ["c"]
+
+
+def test_a_gpt_oss_answer_goes_back_to_its_template_by_channel_and_the_next_turn_is_a_new_row(smollm2_tokenizer):
+    """A harmony answer is stored with its analysis in `thinking` and its final answer in `content` (the template
+    refuses channel tags in either), so the template renders the first row back to exactly the generated ids; the
+    second turn, whose context drops that analysis as a server's would, is row "c/turn1" with only its answer trained."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, "gpt_oss")
+    c = answer_turn(tokenizer, "gpt_oss", split=True)
+    assert c.messages[-1] == {"role": "assistant", "content": "It is 4.", "thinking": "Two and two make four."}
+    assert chat_ids(tokenizer, c.messages, False) == c.input_ids  # analysis, final, <|return|>: as generated
+    messages = c.context(tokenizer, 1, 1000, 10_000)
+    assert messages is not None and c.open
+    eos = [tokenizer.convert_tokens_to_ids("<|return|>")]
+    answer = "<|channel|>analysis<|message|>Three more.<|end|><|start|>assistant<|channel|>final<|message|>It is 6."
+    c.add_turn(messages, tokenizer(answer, add_special_tokens=False)["input_ids"] + eos, tokenizer, eos)
+    first, second = c.records()
+    assert [first["id"], second["id"]] == ["c", "c/turn1"]
+    context = chat_ids(tokenizer, messages, True)
+    assert "Two and two" not in tokenizer.decode(context) and "<|message|>It is 4.<|end|>" in tokenizer.decode(context)
+    assert second["input_ids"][:len(context)] == context
+    assert tokenizer.decode([t for t, m in zip(second["input_ids"], second["loss_mask"]) if m]) == answer + "<|return|>"
+    assert chat_ids(tokenizer, c.messages, False) == second["input_ids"]
 
 
 def test_a_rewritten_history_starts_a_new_row_from_the_templates_own_rendering(smollm2_tokenizer):
@@ -182,15 +202,22 @@ def test_loss_on_thinking_false_on_a_target_without_thinking_markers_is_one_line
         untrained_thinking(cfg.data, smollm2_tokenizer)
 
 
-def test_the_data_jobs_turn_builder_splits_qwen3_conversations_at_a_rewritten_history(smollm2_tokenizer, tmp_path):
-    """Two teacher-forced turns of Qwen3-format answers through build_conversations (the data job's builder): each
-    conversation gives its first row and a "/turn1" row, the shard's id check accepts them, training holds a
-    conversation's rows out together, and with data.rewritten_history=stop each ends after its first answer."""
-    tokenizer = family_tokenizer(smollm2_tokenizer, "qwen3")
-    answers = ["<think>\nEasy.\n</think>\n\nIt is 4.", "<think>\nAgain.\n</think>\n\nIt is 6."]
+TWO_TURNS = {"qwen3": ["<think>\nEasy.\n</think>\n\nIt is 4.", "<think>\nAgain.\n</think>\n\nIt is 6."],
+             "gpt_oss": ["<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+                         "<|channel|>analysis<|message|>Again.<|end|><|start|>assistant<|channel|>final<|message|>It is 6."]}
+
+
+@pytest.mark.parametrize("family", list(TWO_TURNS))
+def test_the_data_jobs_turn_builder_splits_conversations_at_a_rewritten_history(smollm2_tokenizer, tmp_path, family):
+    """Two teacher-forced turns of Qwen3-format or gpt-oss (harmony) answers through build_conversations (the data
+    job's builder): each conversation gives its first row and a "/turn1" row, the shard's id check accepts them,
+    training holds a conversation's rows out together (its tokenizer check reads the stored messages back), and with
+    data.rewritten_history=stop each ends after its first answer."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, family)
+    answers = TWO_TURNS[family]
     prompts = [{"id": f"p{i}", "text": "What is 2+2?", "turns": ["What is 2+2?", "And 3+3?"], "reference": answers,
                 "truncated": False, "source": "dataset"} for i in range(3)]
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    eos = [tokenizer.convert_tokens_to_ids(FAMILIES[family][2])]
     for setting, ids in (("split", ["p0", "p0/turn1", "p1", "p1/turn1", "p2", "p2/turn1"]), ("stop", ["p0", "p1", "p2"])):
         d = load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", ["data.max_turns=2",
                                                                        f"data.rewritten_history={setting}"]).data
@@ -204,7 +231,18 @@ def test_the_data_jobs_turn_builder_splits_qwen3_conversations_at_a_rewritten_hi
     rows_split = build_conversations(prompts, None, tokenizer, eos, d, 0, 1000, 10_000, {})
     write_shard(rows_split, ["p0", "p1", "p2"], tmp_path / "shards" / "shard-00000", {})
     for seed in range(6):
-        data = TrainingData(tmp_path, tokenizer, "qwen3-like", 512, heldout=1, seed=seed)
+        data = TrainingData(tmp_path, tokenizer, f"{family}-like", 512, heldout=1, seed=seed)
         held = {rows_split[i]["id"].split("/")[0] for i in data.heldout}
         trained = {rows_split[i]["id"].split("/")[0] for i in data.train}
         assert len(data.heldout) == 2 and len(held) == 1 and not held & trained
+
+
+def test_a_template_that_refuses_a_later_turn_ends_the_conversation_with_a_reason(smollm2_tokenizer):
+    """A template that raises (here one that takes a single exchange only) ends the conversation at that turn as
+    `template_refused`, keeping the turns before it, never with a traceback."""
+    tokenizer = family_tokenizer(smollm2_tokenizer, "gemma")
+    tokenizer.chat_template = ("{% if messages|length > 2 %}{{ raise_exception('one exchange only') }}{% endif %}"
+                               + tokenizer.chat_template)
+    c = answer_turn(tokenizer, "gemma")
+    assert c.context(tokenizer, 1, 1000, 10_000) is None and c.stop_reason == "template_refused" and not c.open
+    assert [r["id"] for r in c.records()] == ["c"] and trained_text(tokenizer, c) == "It is 4.<end_of_turn>"
