@@ -50,6 +50,7 @@ from specdrafter.inference.tree import tree_from_choices
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, load_block_drafter
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle3
+from specdrafter.models.features import capture_features
 from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types
 
 V = 16  # a vocabulary small enough for the χ² test's V² cells
@@ -166,6 +167,25 @@ def test_sampling_at_temperature_1_follows_the_targets_law(targets, name):
                                                                   PROMPT, n, tree=False)
     assert 0 < accepted < drafted  # both the acceptance and the residual paths ran
     assert_first_two_tokens_follow(target, PROMPT, counts, n)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_feature_id_k_is_the_residual_stream_entering_layer_k_on_each_architecture(targets, name):
+    """The convention every drafter's features follow and the engines capture (docs/targets.md#feature-layers): id 0
+    is the embedding as the first layer reads it (Gemma's scaled by sqrt(hidden)), id k the residual stream entering
+    layer k (HF's hidden_states[k]: MoE, sinks, MLA, sliding and linear-attention layers alike), id L the last
+    layer's output before the final norm."""
+    target = targets[name]
+    n = target.config.num_hidden_layers
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad(), capture_features(target, range(n + 1)) as captured:
+        out = target(input_ids=ids, output_hidden_states=True)
+        embedded = target.get_input_embeddings()(ids)
+        final = target.model.norm(captured[n])
+    assert torch.equal(captured[0], embedded)
+    for k in range(n):
+        assert torch.equal(captured[k], out.hidden_states[k]), k
+    assert torch.allclose(final, out.hidden_states[n], atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
