@@ -1,7 +1,7 @@
 """Learning-curve probe: how fast a drafter recipe learns, in drafter-only steps on cached target rows.
 
     python benchmarks/bench_learning.py RECIPE.yaml [key=value ...] [--batches 48] [--steps 150] [--every 50]
-        [--out DIR] [--rows DIR]
+        [--out DIR] [--rows DIR] [--swap-context] [--drafter FOLDER]
 
 The target runs once over the first `--batches` micro-batches of the recipe's training data and its held-out
 conversations (features and teacher rows, cached in --out, so the next probe on the same data and layers starts at
@@ -17,6 +17,11 @@ another's (rolled by one inside its micro-batch — a micro-batch of one convers
 shorter, its padding rows), its own tokens kept. A drafter that reads the context falls towards what it can do
 without; one that has learned little more than a bigram of its input tokens hardly moves. Stored as
 `context_swapped` beside the last point's `alpha`.
+
+--drafter FOLDER: start from a trained drafter's weights (a checkpoint's `drafter/` folder of this recipe's kind and
+shape) instead of the recipe's initialisation; with --steps 0 the probe only scores it. A finished training run gets
+the same readings as a probe: train it with the probe's `train.heldout` and seed, and its held-out conversations are
+the probe's.
 
 A DSpark drafter is also read with its Markov head off (W2 = 0 while scoring, so each draft is the backbone's U_j
 alone), stored as `backbone_alone`: what the backbone carries, beside the total its bigram head adds to.
@@ -38,6 +43,7 @@ from typing import List, Optional
 import torch
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
+from specdrafter.core.weights import read_safetensors
 from specdrafter.data.assets import load_target
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.jobs.train import acceptance_sums, lr_factor, lr_schedule, param_groups
@@ -131,6 +137,27 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def whole(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 0")
+    return int(text)
+
+
+def load_trained(drafter, folder: Path) -> None:
+    """The weights of a trained drafter folder, every tensor of the recipe's drafter, into it (or one
+    SpecdrafterError saying what does not fit)."""
+    weights = read_safetensors(folder / "model.safetensors")
+    own = drafter.module.state_dict()
+    missing, unknown = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = [k for k in set(own) & set(weights) if own[k].shape != weights[k].shape]
+    if missing or unknown or shapes:
+        found = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
+            [f"unknown {', '.join(unknown[:3])}"] if unknown else []) + (
+            [f"{k} is {tuple(weights[k].shape)}, the recipe's {tuple(own[k].shape)}" for k in sorted(shapes)[:2]])
+        raise SpecdrafterError(f"--drafter {str(folder)!r} is not this recipe's drafter: {'; '.join(found)}")
+    drafter.module.load_state_dict(weights)
+
+
 def setup(args):
     """The recipe, its drafter and the cached target rows, or a SpecdrafterError naming what is wrong."""
     cfg = load_recipe(args.recipe, args.overrides)
@@ -147,6 +174,8 @@ def setup(args):
                                f"conversations ({len(data.train)} in {tc.data_dir})")
     torch.manual_seed(tc.seed)
     drafter = build_drafter(cfg, target, data, tokenizer)
+    if args.drafter:
+        load_trained(drafter, Path(args.drafter))
     return cfg, drafter, cached_rows(cfg, target, data, drafter, args.batches, Path(args.rows or args.out))
 
 
@@ -155,14 +184,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--batches", type=positive, default=48)
-    parser.add_argument("--steps", type=positive, default=150)
+    parser.add_argument("--steps", type=whole, default=150, help="0: score --drafter as it is")
     parser.add_argument("--every", type=positive, default=50)
     parser.add_argument("--out", default="runs/bench_learning")
     parser.add_argument("--rows", help="where the target's rows are cached (default --out): probes of several "
                                        "settings on the same data share them")
     parser.add_argument("--swap-context", action="store_true",
                         help="at the end, held-out α̂ with each conversation's target features swapped for another's")
+    parser.add_argument("--drafter", help="start from this trained drafter folder (a checkpoint's drafter/)")
     args = parser.parse_args(argv)
+    if args.steps == 0 and not args.drafter:
+        parser.error("--steps 0 scores a trained drafter: give --drafter FOLDER")
     torch.set_num_threads(1)
 
     try:
@@ -176,6 +208,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr), lr=tc.lr, weight_decay=0.0, betas=(0.9, 0.95))
     schedule = lr_schedule(optimizer, lambda s: lr_factor(s, tc.warmup_steps, 10 ** 9, 1.0), args.steps)
     objective, curve, started, training = Objective.of(tc), [], time.perf_counter(), 0.0
+
+    def score(step: int, loss: Optional[float]) -> None:
+        alpha, top1 = held_out(drafter, store)
+        tau = 1 + sum(math.prod(alpha[:k + 1]) for k in range(len(alpha)))
+        curve.append({"step": step, "loss": loss, "alpha": alpha, "top1": top1, "tau": tau,
+                      "train_seconds": round(training, 3)})
+        print(f"step {step}: loss {'-' if loss is None else f'{loss:.3f}'}  α̂ {' '.join(f'{a:.3f}' for a in alpha)}  "
+              f"top-1 {' '.join(f'{t:.2f}' for t in top1)}  τ {tau:.2f}  ({time.perf_counter() - started:.0f} s)",
+              flush=True)
+
+    if args.steps == 0:
+        score(0, None)
     for step in range(1, args.steps + 1):
         step_started = time.perf_counter()
         batch, rows = store["train"][(step - 1) % len(store["train"])]
@@ -187,13 +231,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         schedule.step()
         training += time.perf_counter() - step_started
         if step % args.every == 0 or step == args.steps:
-            alpha, top1 = held_out(drafter, store)
-            tau = 1 + sum(math.prod(alpha[:k + 1]) for k in range(len(alpha)))
-            curve.append({"step": step, "loss": loss.item(), "alpha": alpha, "top1": top1, "tau": tau,
-                          "train_seconds": round(training, 3)})
-            print(f"step {step}: loss {loss.item():.3f}  α̂ {' '.join(f'{a:.3f}' for a in alpha)}  top-1 "
-                  f"{' '.join(f'{t:.2f}' for t in top1)}  τ {tau:.2f}  ({time.perf_counter() - started:.0f} s)", flush=True)
-    report = {"recipe": args.recipe, "overrides": args.overrides, "train_tokens": tokens, "curve": curve}
+            score(step, loss.item())
+    report = {"recipe": args.recipe, "overrides": args.overrides, "drafter": args.drafter, "train_tokens": tokens,
+              "curve": curve}
     if args.swap_context:
         report["context_swapped"], _ = held_out(drafter, store, swap=True)
         print(f"step {args.steps}, context swapped: α̂ {' '.join(f'{a:.3f}' for a in report['context_swapped'])}  "

@@ -982,6 +982,39 @@ def test_learning_probe_caches_the_target_rows_and_repeats_its_curve(tmp_path, p
             assert tuple(row[:sum(mask)]) in allowed
 
 
+def test_learning_probe_scores_a_trained_drafter_folder_as_it_is(tmp_path, peaky_target, data_dir, capsys):
+    """benchmarks/bench_learning.py --drafter FOLDER --steps 0: the folder's weights, not the recipe's start, are
+    scored (a DSpark Markov head starts at W2 = 0, where total and backbone-alone α̂ coincide; the folder's is not
+    zero); a folder of another shape is one line."""
+    from bench_learning import main as probe
+    recipe = [str(REPO / "recipes" / "smollm2-135m-dspark.yaml"), f"output_dir={tmp_path}",
+              f"target.model={peaky_target}", f"train.data_dir={data_dir}", *TINY, *BLOCK_TINY]
+    tokenizer = AutoTokenizer.from_pretrained(peaky_target)
+    target = AutoModelForCausalLM.from_pretrained(peaky_target)
+
+    def saved(folder, overrides=()):
+        cfg = load_recipe(recipe[0], recipe[1:] + list(overrides))
+        torch.manual_seed(7)
+        drafter = build_drafter(cfg, target, None, tokenizer)
+        with torch.no_grad():
+            torch.nn.init.normal_(drafter.module.markov_head.markov_w2.weight, std=0.5)
+        drafter.save(drafter.module, folder, tokenizer)
+        return folder
+
+    flags = ["--batches", "2", "--rows", str(tmp_path / "rows")]
+    probe(recipe + flags + ["--steps", "0", "--drafter", str(saved(tmp_path / "trained")), "--out", str(tmp_path / "a")])
+    report = json.loads((tmp_path / "a" / "learning.json").read_text())
+    assert [(c["step"], c["loss"]) for c in report["curve"]] == [(0, None)] and "step 0: loss -" in capsys.readouterr().out
+    assert report["drafter"] == str(tmp_path / "trained")
+    assert report["curve"][0]["alpha"] != report["backbone_alone"]  # the folder's Markov head is on
+    other = saved(tmp_path / "wide", ["drafter.block.num_layers=2"])
+    with pytest.raises(SystemExit, match="is not this recipe's drafter: unknown layers.1"):
+        probe(recipe + flags + ["--steps", "0", "--drafter", str(other), "--out", str(tmp_path / "c")])
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(SystemExit):  # nothing to score
+        probe(recipe + flags + ["--steps", "0", "--out", str(tmp_path / "d")])
+
+
 def test_the_probes_backbone_alone_switches_the_markov_head_off_and_back():
     """benchmarks/bench_learning.py:backbone_alone: inside, DSpark's heads leave the backbone's logits as they are
     (W2 = 0); after, the Markov bias is back, bit for bit."""
