@@ -2,14 +2,21 @@
 with and without a drafter, against the target's own law computed exactly (float64, from the HF model).
 
     python benchmarks/llamacpp_sampling.py [--samples 3000] [--kind eagle3|dspark] [--noise 0.1]
+                                           [--arch llama|qwen3|qwen3_moe|mistral|gemma3|gpt_oss|deepseek_v3|qwen3_next]
                                            [--out runs/llamacpp-sampling]
 
-A tiny random target (6 layers, width 64, SmolLM2's tokenizer, its lm_head sharpened so that a few dozen token pairs
-carry most of the mass) is converted to GGUF. Arms, each a fresh llama-server (one at a time, one thread), and each
-drafter under both of llama.cpp's `--spec-draft-sampling` modes: `greedy` (the default: the draft is its argmax, the
-target samples each position and keeps the draft while they agree, "sample and match") and `probabilistic` (the draft
-samples its own top-10 at the request's temperature and the target accepts with probability min(1, p/q), else draws
-from norm(max(0, p − q)): rejection sampling):
+A tiny random target (SmolLM2's tokenizer, its lm_head sharpened so that a few dozen token pairs carry most of the
+mass) is converted to GGUF: by default a 6-layer Llama of width 64; with --arch, the architecture matrix's tiny model
+of that row (models/targets.py:tiny_config: 4 layers, width 64, its features on — a sliding window of 8 over the
+16-token prompt, MoE routing, gpt-oss's sinks, MLA, Qwen3-Next's linear attention), so that llama.cpp's own cache
+rollback for that architecture runs under the test. A drafter family the export refuses beside that target (llama.cpp
+cannot serve it there) drops its arms, and the report says why.
+
+Arms, each a fresh llama-server (one at a time, one thread), and each drafter under both of llama.cpp's
+`--spec-draft-sampling` modes: `greedy` (the default: the draft is its argmax, the target samples each position and
+keeps the draft while they agree, "sample and match") and `probabilistic` (the draft samples its own top-10 at the
+request's temperature and the target accepts with probability min(1, p/q), else draws from norm(max(0, p − q)):
+rejection sampling):
 
 - the target alone;
 - a random drafter of `--kind` (exported with `--format gguf`): its drafts are all rejected, the residual path only;
@@ -42,15 +49,17 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from scipy.stats import chisquare
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.assets import ensure_smollm2
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, build_drafter
+from specdrafter.models.targets import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHARPEN = 36.0
@@ -64,12 +73,18 @@ ALPHA = 0.001
 MODES = ("greedy", "probabilistic")
 
 
-def tiny_target(folder: Path):
+def tiny_target(folder: Path, arch: str):
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                         bos_token_id=1, eos_token_id=2))
+    if arch == "llama":  # the first run's target, kept so that its numbers stay reproducible
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    else:
+        config = tiny_config(arch, len(tok))
+        config.tie_word_embeddings = False
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
+        model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(SHARPEN)
     model.save_pretrained(folder)
@@ -101,13 +116,19 @@ def exact_law(model, n: int) -> dict:
 
 
 def drafter_gguf(kind: str, target_dir: Path, tok, root: Path) -> Path:
+    """A random drafter of `kind` for the target, exported --format gguf (a SpecdrafterError where the export refuses
+    it beside this target)."""
     recipe = KINDS[kind].recipe
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    layers = target.config.num_hidden_layers
+    aux = [1, layers // 2, layers - 1]
     cfg = load_recipe(REPO / "recipes" / recipe, [
         f"output_dir={root / 'run'}", f"target.model={target_dir}", "target.dtype=float32", "train.wandb.mode=disabled",
-        "drafter.eagle.aux_layer_ids=[1,3,5]", "drafter.eagle.draft_vocab_size=0", "drafter.block.num_layers=1",
-        "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1,3,5]", "drafter.block.markov_rank=8",
-        "drafter.block.draft_vocab_size=0", "inference.k=3"])
-    drafter = build_drafter(cfg, LlamaForCausalLM.from_pretrained(target_dir).eval(), None, tok)
+        f"drafter.eagle.aux_layer_ids={aux}", "drafter.eagle.draft_vocab_size=0", "drafter.eagle.attention_bias=false",
+        "drafter.block.num_layers=1", "drafter.block.block_size=4", f"drafter.block.aux_layer_ids={aux}",
+        "drafter.block.markov_rank=8", "drafter.block.draft_vocab_size=0", "drafter.block.init_from_target=false",
+        "inference.k=3"])
+    drafter = build_drafter(cfg, target, None, tok)
     folder = root / "run" / "checkpoints" / "step-000001"
     drafter.save(drafter.module, folder / "drafter", tok)
     (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
@@ -152,6 +173,7 @@ def chi2(counts: Counter, law: dict, n: int) -> dict:
 def markdown(result: dict) -> str:
     lines = ["# llama-server's first two tokens at T = 1 against the target's exact law",
              "",
+             f"Target: a tiny random {result.get('target', 'llama')}. "
              f"{result['samples']:,} seeded requests per arm, llama.cpp {result['llama.cpp']}, one thread; "
              f"{result['bins'] - 1} pairs expected ≥ 5 times ({1 - result['pooled_mass']:.1%} of the mass), the rest "
              f"pooled; α = {ALPHA}. Command: `{result['command']}`",
@@ -168,6 +190,8 @@ def markdown(result: dict) -> str:
                      f"{round(r['same_as_target'] * result['samples']):,} / {result['samples']:,} |")
     worst = min(r["p_value"] for r in result["arms"].values())
     lines += ["", f"Smallest p: {worst:.3g} ({'not ' if worst >= ALPHA else ''}below α = {ALPHA}).", ""]
+    if result.get("refused"):
+        lines += [f"No {result['kind']} arms: the export refuses it beside this target ({result['refused']}).", ""]
     return "\n".join(lines)
 
 
@@ -176,12 +200,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--kind", default="eagle3", choices=("eagle3", "dspark"))
     parser.add_argument("--noise", type=float, default=0.1, help="the perturbed draft model's σ ÷ each weight's std")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "llamacpp-sampling")
+    parser.add_argument("--arch", default="llama", choices=("llama", "qwen3", "qwen3_moe", "mistral", "gemma3",
+                                                             "gpt_oss", "deepseek_v3", "qwen3_next"),
+                        help="the target's architecture: a row of the matrix (docs/targets.md)")
+    parser.add_argument("--out", type=Path, default=None, help="default runs/llamacpp-sampling[-ARCH]")
     args = parser.parse_args()
+    args.out = args.out or REPO / "runs" / ("llamacpp-sampling" + ("" if args.arch == "llama" else f"-{args.arch}"))
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llamacpp-sampling-") as tmp:
         root = Path(tmp)
-        model, tok = tiny_target(root / "target")
+        model, tok = tiny_target(root / "target", args.arch)
         law = exact_law(model, args.samples)
         print(f"{len(law)} pairs expected >= 5 times, {sum(law.values()):.3f} of the mass", flush=True)
         target_gguf = root / "target.gguf"
@@ -189,19 +217,25 @@ def main() -> None:
         perturbed(model, tok, root / "perturbed", args.noise)
         noisy_gguf = root / "perturbed.gguf"
         llamacpp.convert(root / "perturbed", noisy_gguf)
-        random_gguf = drafter_gguf(args.kind, root / "target", tok, root)
-        spec = KINDS[args.kind].export.llamacpp.spec_type
-        drafters = {f"random {args.kind} ({spec})": (random_gguf, spec),
-                    "target as draft model (draft-simple)": (target_gguf, "draft-simple"),
+        spec, refused = KINDS[args.kind].export.llamacpp.spec_type, None
+        drafters = {"target as draft model (draft-simple)": (target_gguf, "draft-simple"),
                     f"target + noise σ={args.noise} as draft model (draft-simple)": (noisy_gguf, "draft-simple")}
+        try:
+            drafters = {f"random {args.kind} ({spec})": (drafter_gguf(args.kind, root / "target", tok, root), spec),
+                        **drafters}
+        except SpecdrafterError as e:  # llama.cpp cannot serve this family beside this target: its arms are left out
+            refused = str(e)
+            print(f"no {args.kind} arms: {refused}", flush=True)
         arms = {"target alone": {}}
         arms.update({f"{name}, {mode}": {"draft": gguf, "spec_type": spec_type, "n_max": N_MAX, "p_min": 0.0,
                                          "extra": ["--spec-draft-sampling", mode]}
                      for name, (gguf, spec_type) in drafters.items() for mode in MODES})
-        result = {"samples": args.samples, "kind": args.kind, "noise": args.noise, "n_predict": N_PREDICT,
-                  "n_max": N_MAX, "alpha": ALPHA, "llama.cpp": llamacpp.SDIST.version,
+        result = {"samples": args.samples, "kind": args.kind, "noise": args.noise, "arch": args.arch,
+                  "target": model.config.model_type, "n_predict": N_PREDICT, "n_max": N_MAX, "alpha": ALPHA,
+                  "llama.cpp": llamacpp.SDIST.version, "refused": refused,
                   "command": f"python benchmarks/llamacpp_sampling.py --samples {args.samples} --kind {args.kind} "
-                             f"--noise {args.noise}", "arms": {}}
+                             f"--noise {args.noise}" + ("" if args.arch == "llama" else f" --arch {args.arch}"),
+                  "arms": {}}
         alone = None
         for arm, server_args in arms.items():
             print(arm, flush=True)

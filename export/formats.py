@@ -56,6 +56,7 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_writ
 from specdrafter.core.weights import save_weights
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.export import block as block_export
+from specdrafter.export.engines import check_engine_target
 from specdrafter.export.gguf import read_gguf, write_gguf
 from specdrafter.export.gguf import serving as gguf_serving
 from specdrafter.export.layer_config import with_rope_keys
@@ -127,6 +128,7 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
     if src.drafter.resolve().is_relative_to(out.resolve()):
         raise SpecdrafterError(f"--out {str(out)!r} would replace the checkpoint being exported")
     target = target_of(src.recipe)
+    check_engine_target(fmt, src.kind.export.family, src.kind.description, target.architectures, eagle_ids(src))
     tmp = temp_dir_beside(out)
     try:
         write = WRITERS[src.kind.export.family].write
@@ -150,6 +152,14 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def eagle_ids(src: Source) -> Optional[List[int]]:
+    """An EAGLE-3 folder's aux layer ids as its config.json names them (None for other kinds)."""
+    if src.kind.export.family is not Family.eagle:
+        return None
+    raw = json.loads((src.drafter / "config.json").read_text())
+    return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
 
 def check_kind(src: Source, fmt: str) -> None:
@@ -223,7 +233,8 @@ def sglang_ids(ids: List[int], target: Target) -> List[int]:
         raise SpecdrafterError(f"aux layer id {L} (the last layer's output) cannot be written for SGLang (ids {ids}): "
                                f"as {L - 1} in its reading SGLang would capture the input to layer {L}, which its "
                                f"{L}-layer loop never reaches, and the first draft step crashes; --format vllm and "
-                               f"speculators carry id {L} (that vLLM captures it is unverified)")
+                               f"speculators carry id {L} (vLLM 0.33.0 captures the last layer's output before the "
+                               "final norm, as trained)")
     return [k - 1 for k in ids]
 
 

@@ -33,6 +33,38 @@ MATRIX = {"llama": "Llama 3", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mistr
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def tiny_config(name: str, vocab_size: int = 16, window: int = 8):
+    """A toy config of matrix row `name` (a model_type, "gemma3" for Gemma 3's text model) with the architecture's own
+    features on — MoE routing, a sliding window of `window`, gpt-oss's sinks, MLA, linear-attention layers — at 4
+    layers and width 64: what the tests and benchmarks build random targets of each row from."""
+    import transformers
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    experts = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    rows = {
+        "llama": ("LlamaConfig", {}),
+        "qwen3": ("Qwen3Config", dict(head_dim=16)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, **experts)),
+        "mistral": ("MistralConfig", dict(sliding_window=window)),
+        "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=window,
+                                            layer_types=[SLIDING, FULL] * 2)),
+        "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=window, num_local_experts=4,
+                                         num_experts_per_tok=2)),
+        "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                                                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                                 n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                 **experts)),
+        "qwen3_next": ("Qwen3NextConfig", dict(head_dim=16, num_experts=4, linear_num_value_heads=4,
+                                               linear_num_key_heads=2, linear_key_head_dim=16,
+                                               linear_value_head_dim=16, **experts)),
+    }
+    if name not in rows:
+        raise SpecdrafterError(f"no tiny config for {name!r}: the matrix rows are {', '.join(rows)}")
+    cls, own = rows[name]
+    return getattr(transformers, cls)(**{**common, **own})
+
+
 def layer_types(config) -> List[str]:
     """The attention type of each layer: `config.layer_types` where the config has it, else every layer sliding when
     the config sets a sliding window it uses (Mistral), else every layer full."""

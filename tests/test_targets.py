@@ -16,21 +16,13 @@ from test_regression import TINY  # its 3-step training run: one layer, online f
 from transformers import (
     AutoModelForCausalLM,
     Cohere2Config,
-    DeepseekV3Config,
     DynamicCache,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
-    Gemma3TextConfig,
-    GptOssConfig,
-    LlamaConfig,
-    MistralConfig,
     MixtralConfig,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
-    Qwen3NextConfig,
 )
 
 import specdrafter.jobs.train as train_loop
@@ -40,6 +32,7 @@ from specdrafter.data.assets import load_target
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.data.regenerate import generate_dataset, load_generated
 from specdrafter.eval.job import load_sets, run_eval
+from specdrafter.export.engines import check_engine_target
 from specdrafter.export.formats import export
 from specdrafter.inference.block import BlockProposer
 from specdrafter.inference.decode import speculative_generate, tree_pass, tree_speculative_generate
@@ -48,33 +41,18 @@ from specdrafter.inference.proposers import DraftModelProposer, DraftModelTreePr
 from specdrafter.inference.sampling import SamplingParams
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.jobs.recipe import load_recipe
+from specdrafter.kinds.base import Family
 from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, load_block_drafter
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle3
 from specdrafter.models.features import capture_features
-from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types
+from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types, tiny_config
 
 V = 16  # a vocabulary small enough for the χ² test's V² cells
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 WINDOW = 8
-ARCHS = {
-    "llama": lambda: LlamaConfig(**COMMON),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                        moe_intermediate_size=32),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
-    "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=WINDOW,
-                                       layer_types=["sliding_attention", "full_attention"] * 2),
-    "gpt_oss": lambda: GptOssConfig(**COMMON, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
-                                    num_experts_per_tok=2),
-    "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
-                                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                                            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                                            n_group=1, topk_group=1),
-    "qwen3_next": lambda: Qwen3NextConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                          moe_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
-                                          linear_key_head_dim=16, linear_value_head_dim=16),
-}
+ARCHS = {name: (lambda name=name: tiny_config(name, V, WINDOW)) for name in
+         ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_next")}
 PROMPT = [3 + (7 * i) % (V - 3) for i in range(20)]  # 20 tokens: longer than the window
 NEW = 40
 TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]
@@ -289,6 +267,13 @@ PIPELINE = ["qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3",
 UNFIT_LAYERS = {"qwen3_next": r"self_attn.q_proj.weight is \[128, 64\]", "deepseek_v3": r"self_attn.o_proj.weight is \[64, 64\]"}
 
 
+# Targets beside which the engine serving a format cannot feed the drafter its trained features (export/engines.py):
+# vLLM 0.33.0's Gemma 3 has no EAGLE-3 interface (it also serves the speculators format).
+ENGINE_REFUSED = {"gemma3": "vLLM 0.33.0 cannot serve .* beside a Gemma 3 target .* no EAGLE-3 interface"}
+# vLLM 0.33.0 cannot capture id 0 (the embedding) beside DeepSeek-V3: its head reads layers 1..3 (TINY's are 0..2)
+EAGLE_IDS = {"deepseek_v3": ["drafter.eagle.aux_layer_ids=[1,2,3]"]}
+
+
 TIE = 1e-2  # a top-2 logit margin this small may flip between a verify pass over k + 1 tokens and one-token steps
 
 
@@ -323,7 +308,9 @@ def test_each_architecture_runs_the_data_job_trains_exports_and_decodes_exactly(
     """The path a user takes with a non-Llama target: the data job regenerates answers through it, EAGLE-3 and DSpark
     train on them (online features, the end-of-training decode check included), the vLLM / speculators exports load
     back, the exported drafters decode it greedy-exactly, and the eval job measures the EAGLE-3 run. Starting DSpark
-    from the last layer of Qwen3-Next or DeepSeek-V3 is refused in one line that names the key to turn it off."""
+    from the last layer of Qwen3-Next or DeepSeek-V3 is refused in one line that names the key to turn it off, and so
+    is an export for an engine that cannot feed the drafter beside the target (Gemma 3 in vLLM): the checkpoint's own
+    folder decodes there instead."""
     folder = saved_target(name, tmp_path / "target", smollm2_tokenizer)
     generate_dataset(small_data_recipe(tmp_path / "data", folder, prompt_file))
     if name in UNFIT_LAYERS:
@@ -341,8 +328,15 @@ def test_each_architecture_runs_the_data_job_trains_exports_and_decodes_exactly(
     for kind, fmt in (("eagle3", "vllm"), ("dspark", "speculators")):
         run = tmp_path / kind
         train_loop.train(load_recipe(REPO / "recipes" / f"smollm2-135m-{kind}.yaml", [
-            f"output_dir={run}", f"target.model={folder}", f"train.data_dir={tmp_path / 'data'}", *TINY, *fresh]))
-        out = export(run, fmt, tmp_path / f"{kind}-{fmt}")
+            f"output_dir={run}", f"target.model={folder}", f"train.data_dir={tmp_path / 'data'}", *TINY, *fresh,
+            *(EAGLE_IDS.get(name, []) if kind == "eagle3" else [])]))
+        if name in ENGINE_REFUSED:
+            with pytest.raises(SpecdrafterError, match=ENGINE_REFUSED[name]):
+                export(run, fmt, tmp_path / f"{kind}-{fmt}")
+            assert not (tmp_path / f"{kind}-{fmt}").exists()  # nothing half-written
+            out = run / "drafter"
+        else:
+            out = export(run, fmt, tmp_path / f"{kind}-{fmt}")
         proposer = (EagleProposer(load_eagle3(out), target) if kind == "eagle3"
                     else BlockProposer(load_block_drafter(out), target))
         result = speculative_generate(target, proposer, prompt, 16, SamplingParams(0.0), 3, [])
@@ -361,6 +355,28 @@ def test_each_architecture_runs_the_data_job_trains_exports_and_decodes_exactly(
     assert len(answers) == 2 and all(answers)
     for answer, p in zip(answers, prompts):
         assert_greedy_up_to_a_tie(target, p, answer)
+
+
+@pytest.mark.parametrize("fmt, family, arch, ids, refused", [
+    ("vllm", Family.eagle, "Gemma3ForCausalLM", [2, 3], "vLLM 0.33.0 cannot serve .* no EAGLE-3 interface"),
+    ("speculators", Family.block, "Gemma3ForConditionalGeneration", None, "vLLM 0.33.0 cannot serve"),
+    ("sglang", Family.eagle, "Gemma3ForCausalLM", [2, 3], "last branch output, not the residual stream"),
+    ("sglang", Family.block, "Gemma3ForCausalLM", None, "has no DFlash/DSpark capture"),
+    ("vllm", Family.eagle, "DeepseekV3ForCausalLM", [0, 2, 3], "aux layer id 0 .* drafter.eagle.aux_layer_ids from 1"),
+    ("speculators", Family.eagle, "DeepseekV3ForCausalLM", [0, 2, 3], "aux layer id 0"),
+    ("vllm", Family.eagle, "DeepseekV3ForCausalLM", [1, 2, 3], None),
+    ("vllm", Family.block, "Qwen3NextForCausalLM", None, None),
+    ("sglang", Family.eagle, "GptOssForCausalLM", [1, 2, 3], None),
+    ("gguf", Family.eagle, "Gemma3ForCausalLM", [1, 2, 3], None),  # export/gguf.py has llama.cpp's own checks
+    ("hf-draft", Family.hf, "Gemma3ForCausalLM", None, None),  # a draft model reads no target features
+])
+def test_an_engine_that_cannot_feed_the_drafter_its_features_is_one_line(fmt, family, arch, ids, refused):
+    """export/engines.py: read from vLLM 0.33.0's and SGLang 0.5.23's source (docs/targets.md#feature-layers)."""
+    if refused is None:
+        check_engine_target(fmt, family, "a drafter", [arch], ids)
+    else:
+        with pytest.raises(SpecdrafterError, match=refused):
+            check_engine_target(fmt, family, "a drafter", [arch], ids)
 
 
 # ------------------------------------------------------------------------------------------- the matrix's edge
