@@ -12,7 +12,7 @@ import torch
 from conftest import RECIPES, REPO, TINY
 from omegaconf import OmegaConf
 from test_targets import ARCHS
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
@@ -115,3 +115,37 @@ def test_an_eagle3_head_with_attention_biases_is_refused_for_llamacpp(served, tm
     with pytest.raises(SpecdrafterError, match="drafter.eagle.attention_bias=false"):
         export(run, "gguf", tmp_path / "gguf")
     assert not (tmp_path / "gguf").exists()
+
+
+def test_a_multimodal_gemma3_target_converts_and_serves_a_draft_model_in_llamacpp(tmp_path, smollm2_tokenizer,
+                                                                                   one_thread):
+    """Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration (a vision tower beside the language model).
+    llama.cpp's converter takes its language model (the vision tower goes to a separate --mmproj file, not made
+    here); our draft model, built from the language model load_target keeps, serves beside it greedy-exactly. EAGLE-3
+    is refused for it as for the text-only Gemma 3 (no layer inputs in llama.cpp's graph)."""
+    vocab = len(smollm2_tokenizer)
+    text = {**ARCHS["gemma3"]().to_dict(), "vocab_size": vocab, "bos_token_id": smollm2_tokenizer.bos_token_id,
+            "eos_token_id": smollm2_tokenizer.eos_token_id, "pad_token_id": smollm2_tokenizer.eos_token_id}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2, image_token_index=vocab - 1, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # decisive greedy: no near-ties for rounding to flip
+    folder = tmp_path / "target"
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    gguf = tmp_path / "target.gguf"
+    llamacpp.convert(folder, gguf)
+    run, _ = drafter_run(tmp_path, folder, "draft_model", smollm2_tokenizer)
+    out = export(run, "gguf", tmp_path / "gguf")
+    with LlamaServer(gguf, context=512, threads=1) as server:
+        alone = server.complete(PROMPT, NEW)["tokens"]
+    with LlamaServer(gguf, draft=out / DRAFT_FILE, spec_type="draft-simple", n_max=3, context=512, threads=1) as server:
+        drafted = server.complete(PROMPT, NEW)
+    assert len(alone) == NEW and drafted["tokens"] == alone and drafted["timings"]["draft_n"] > 0
+    eagle, _ = drafter_run(tmp_path, folder, "eagle3", smollm2_tokenizer)
+    with pytest.raises(SpecdrafterError, match=NO_LAYER_INPUTS):
+        export(eagle, "gguf", tmp_path / "eagle-gguf")
