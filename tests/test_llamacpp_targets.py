@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import RECIPES, REPO, TINY
 from omegaconf import OmegaConf
-from test_targets import ARCHS
-from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+from test_targets import ARCHS, multimodal_gemma3, tokenizer_ids
+from transformers import AutoModelForCausalLM
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
@@ -123,15 +123,7 @@ def test_a_multimodal_gemma3_target_converts_and_serves_a_draft_model_in_llamacp
     llama.cpp's converter takes its language model (the vision tower goes to a separate --mmproj file, not made
     here); our draft model, built from the language model load_target keeps, serves beside it greedy-exactly. EAGLE-3
     is refused for it as for the text-only Gemma 3 (no layer inputs in llama.cpp's graph)."""
-    vocab = len(smollm2_tokenizer)
-    text = {**ARCHS["gemma3"]().to_dict(), "vocab_size": vocab, "bos_token_id": smollm2_tokenizer.bos_token_id,
-            "eos_token_id": smollm2_tokenizer.eos_token_id, "pad_token_id": smollm2_tokenizer.eos_token_id}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab - 3,
-        eoi_token_index=vocab - 2, image_token_index=vocab - 1, tie_word_embeddings=False)).eval()
+    model = multimodal_gemma3(len(smollm2_tokenizer), tokenizer_ids(smollm2_tokenizer), tie_word_embeddings=False)
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)  # decisive greedy: no near-ties for rounding to flip
     folder = tmp_path / "target"

@@ -8,6 +8,7 @@ masks); a tree over linear-attention layers is refused in one line."""
 
 import copy
 import json
+from typing import Optional
 
 import pytest
 import torch
@@ -231,19 +232,30 @@ def test_asd_on_each_architecture_is_greedy_at_no_budget_and_charges_its_exact_r
     assert 0 < asd.asd_regret <= 2.0 and sum(regret) == pytest.approx(asd.asd_regret, abs=1e-4)
 
 
+def multimodal_gemma3(vocab: int, text_ids: Optional[dict] = None, **top):
+    """A tiny Gemma3ForConditionalGeneration: the matrix's Gemma 3 as its language model (`text_ids`: its bos, eos,
+    pad ids), a 1-layer vision tower; `top`: more Gemma3Config keys."""
+    text = {**COMMON, "vocab_size": vocab, "head_dim": 16, "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2, **(text_ids or {})}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2, image_token_index=vocab - 1, **top)).eval()
+
+
+def tokenizer_ids(tokenizer) -> dict:
+    """SmolLM2's bos and eos ids (eos doubling as padding), as a config takes them."""
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.eos_token_id}
+
+
 def test_a_multimodal_gemma3_target_loads_as_its_language_model_and_decodes_exactly(tmp_path, smollm2_tokenizer):
     """Gemma 3 from 4B up is saved as Gemma3ForConditionalGeneration (a vision tower beside the language model):
     load_target keeps its language model as a Gemma3ForCausalLM, the same modules, the vision tower dropped; its
     logits on text equal the multimodal model's and the chain loop decodes it exactly."""
-    vocab = len(smollm2_tokenizer)
-    text = {**COMMON, "vocab_size": vocab, "head_dim": 16, "sliding_window": WINDOW,
-            "layer_types": ["sliding_attention", "full_attention"] * 2}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    torch.manual_seed(0)
-    multimodal = Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab - 3,
-        eoi_token_index=vocab - 2, image_token_index=vocab - 1)).eval()
+    multimodal = multimodal_gemma3(len(smollm2_tokenizer))
     multimodal.save_pretrained(tmp_path)
     smollm2_tokenizer.save_pretrained(tmp_path)
     target, _ = load_target(str(tmp_path))
@@ -259,7 +271,8 @@ def test_a_multimodal_gemma3_target_loads_as_its_language_model_and_decodes_exac
 
 
 # ------------------------------------------------------------------------------- data, training and export
-PIPELINE = ["qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_next"]  # every non-Llama row
+# every non-Llama row, and Gemma 3 as published from 4B up (multimodal: Gemma3ForConditionalGeneration)
+PIPELINE = ["qwen3", "qwen3_moe", "mistral", "gemma3", "gemma3_mm", "gpt_oss", "deepseek_v3", "qwen3_next"]
 
 
 # Targets whose last layer a DSpark layer cannot start from: Qwen3-Next's gated attention (q_proj twice a plain
@@ -269,7 +282,8 @@ UNFIT_LAYERS = {"qwen3_next": r"self_attn.q_proj.weight is \[128, 64\]", "deepse
 
 # Targets beside which the engine serving a format cannot feed the drafter its trained features (export/engines.py):
 # vLLM 0.33.0's Gemma 3 has no EAGLE-3 interface (it also serves the speculators format).
-ENGINE_REFUSED = {"gemma3": "vLLM 0.33.0 cannot serve .* beside a Gemma 3 target .* no EAGLE-3 interface"}
+ENGINE_REFUSED = {name: "vLLM 0.33.0 cannot serve .* beside a Gemma 3 target .* no EAGLE-3 interface"
+                  for name in ("gemma3", "gemma3_mm")}
 # vLLM 0.33.0 cannot capture id 0 (the embedding) beside DeepSeek-V3: its head reads layers 1..3 (TINY's are 0..2)
 EAGLE_IDS = {"deepseek_v3": ["drafter.eagle.aux_layer_ids=[1,2,3]"]}
 
@@ -292,6 +306,10 @@ def assert_greedy_up_to_a_tie(target, prompt, answer):
 
 def saved_target(name, folder, tokenizer):
     """The architecture's tiny model at SmolLM2's vocabulary, saved with SmolLM2's tokenizer and chat template."""
+    if name == "gemma3_mm":
+        multimodal_gemma3(len(tokenizer), tokenizer_ids(tokenizer)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
     config = ARCHS[name]()
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
