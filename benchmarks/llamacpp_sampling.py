@@ -4,6 +4,7 @@ with and without a drafter, against the target's own law computed exactly (float
     python benchmarks/llamacpp_sampling.py [--samples 3000] [--kind eagle3|dspark] [--noise 0.1]
                                            [--arch llama|qwen3|qwen3_moe|mistral|gemma3|gpt_oss|deepseek_v3|qwen3_next]
                                            [--out runs/llamacpp-sampling]
+    python benchmarks/llamacpp_sampling.py --summarise DIR [DIR ...]     # one table over several runs
 
 A tiny random target (SmolLM2's tokenizer, its lm_head sharpened so that a few dozen token pairs carry most of the
 mass) is converted to GGUF: by default a 6-layer Llama of width 64; with --arch, the architecture matrix's tiny model
@@ -195,6 +196,22 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def summary(folders: list) -> str:
+    """One Markdown table over several runs' result.json (one row per architecture): the smallest p of its arms,
+    with the arm, and the acceptance of its rejection-sampling arms."""
+    lines = ["| target | pairs (mass) | arms | smallest p (arm) | rejection sampling: acceptance, p | kind's arms |",
+             "|---|---|---|---|---|---|"]
+    for folder in folders:
+        r = json.loads((Path(folder) / "result.json").read_text())
+        arm, worst = min(r["arms"].items(), key=lambda a: a[1]["p_value"])
+        rejection = ", ".join(f"{a['acceptance']:.2f} (p {a['p_value']:.2g})" for name, a in r["arms"].items()
+                              if name.endswith("probabilistic") and "draft-simple" in name)
+        kind = "refused by the export" if r.get("refused") else f"{r['kind']} ✓"
+        lines.append(f"| {r.get('target', 'llama')} | {r['bins'] - 1} ({1 - r['pooled_mass']:.0%}) | {len(r['arms'])} | "
+                     f"{worst['p_value']:.3g} ({arm}) | {rejection} | {kind} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3000)
@@ -204,7 +221,12 @@ def main() -> None:
                                                              "gpt_oss", "deepseek_v3", "qwen3_next"),
                         help="the target's architecture: a row of the matrix (docs/targets.md)")
     parser.add_argument("--out", type=Path, default=None, help="default runs/llamacpp-sampling[-ARCH]")
+    parser.add_argument("--summarise", nargs="+", metavar="DIR", help="print one table over these runs' results, "
+                                                                      "and nothing else")
     args = parser.parse_args()
+    if args.summarise:
+        print(summary(args.summarise))
+        return
     args.out = args.out or REPO / "runs" / ("llamacpp-sampling" + ("" if args.arch == "llama" else f"-{args.arch}"))
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llamacpp-sampling-") as tmp:
