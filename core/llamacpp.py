@@ -168,6 +168,7 @@ def converter_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtype: str = "f32") -> None:
     """llama.cpp's convert_hf_to_gguf.py on `model` (a drafter beside `target_folder`, or a plain causal LM) into
     `out`; a failure is one line naming its last error and the log it leaves in `home()`."""
+    check_layer_pattern(model)
     cmd = [sys.executable, str(converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
     if target_folder is not None:
         cmd += ["--target-model-dir", str(target_folder)]
@@ -179,6 +180,32 @@ def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtyp
         log.write_text(done.stdout + done.stderr)
         last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
         raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
+
+
+# Architectures whose converter writes no per-layer attention types: llama.cpp's graph assumes the published pattern,
+# one full-attention layer after every n − 1 sliding ones (models/gemma3.cpp: load_swa_pattern(ml, 6)).
+ASSUMED_PATTERN = {"Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6}
+
+
+def check_layer_pattern(model: Path) -> None:
+    """One line for a model whose `layer_types` differ from the pattern llama.cpp assumes for its architecture (a
+    Gemma 3 with its own sliding/full layout, or a draft model that copied a full-attention layer first): llama-server
+    would run another model than the folder's, with no error."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    arch = (config.get("architectures") or [None])[0]
+    types = (config.get("text_config") or config).get("layer_types")
+    if arch not in ASSUMED_PATTERN or not types:
+        return
+    n = ASSUMED_PATTERN[arch]
+    assumed = ["sliding_attention" if i % n < n - 1 else "full_attention" for i in range(len(types))]
+    if list(types) != assumed:
+        raise SpecdrafterError(f"llama.cpp {SDIST.version} cannot run {Path(model).name} as it is: its converter writes "
+                               f"no layer types for {arch}, and llama.cpp assumes every {n}th layer full attention "
+                               f"({assumed}), where this model has {list(types)}; llama-server would compute another "
+                               "model")
 
 
 MTP_EXPECTED = ("Qwen3NextForCausalLM",)  # the converter asserts MTP layers for these unless told --no-mtp

@@ -41,6 +41,9 @@ REFUSED |= {("qwen3_moe", k): "converter fails on .* Qwen3-MoE target" for k in 
 # allocate: GGML_ASSERT(buffer)), so the export refuses a draft model without a full-attention layer
 REFUSED[("qwen3_next", "draft_model")] = "layers are all linear_attention, and llama-server aborts"
 NAMES = [n for n in ARCHS if n != "llama"]  # Llama: tests/test_gguf.py
+# llama.cpp assumes Gemma 3's published layout, every 6th layer full attention (core/llamacpp.py:check_layer_pattern):
+# its Gemma 3 cells are 6 layers laid out so, where the matrix's tiny Gemma 3 alternates sliding and full
+GEMMA3_LAYOUT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 PROMPT = list(range(100, 120))
 NEW = 24
 
@@ -54,6 +57,8 @@ def served(tmp_path_factory, smollm2_tokenizer):
         if name not in made:
             folder = tmp_path_factory.mktemp(f"llamacpp-{name}")
             config = ARCHS[name]()
+            if name == "gemma3":
+                config.update(GEMMA3_LAYOUT)
             config.vocab_size = len(smollm2_tokenizer)
             config.bos_token_id = smollm2_tokenizer.bos_token_id
             config.eos_token_id = config.pad_token_id = smollm2_tokenizer.eos_token_id
@@ -123,7 +128,8 @@ def test_a_multimodal_gemma3_target_converts_and_serves_a_draft_model_in_llamacp
     llama.cpp's converter takes its language model (the vision tower goes to a separate --mmproj file, not made
     here); our draft model, built from the language model load_target keeps, serves beside it greedy-exactly. EAGLE-3
     is refused for it as for the text-only Gemma 3 (no layer inputs in llama.cpp's graph)."""
-    model = multimodal_gemma3(len(smollm2_tokenizer), tokenizer_ids(smollm2_tokenizer), tie_word_embeddings=False)
+    model = multimodal_gemma3(len(smollm2_tokenizer), {**tokenizer_ids(smollm2_tokenizer), **GEMMA3_LAYOUT},
+                              tie_word_embeddings=False)
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)  # decisive greedy: no near-ties for rounding to flip
     folder = tmp_path / "target"
@@ -141,3 +147,18 @@ def test_a_multimodal_gemma3_target_converts_and_serves_a_draft_model_in_llamacp
     eagle, _ = drafter_run(tmp_path, folder, "eagle3", smollm2_tokenizer)
     with pytest.raises(SpecdrafterError, match=NO_LAYER_INPUTS):
         export(eagle, "gguf", tmp_path / "eagle-gguf")
+
+
+def test_a_gemma3_whose_layers_are_not_laid_out_as_llamacpp_assumes_is_refused_in_one_line(tmp_path, smollm2_tokenizer):
+    """llama.cpp's Gemma 3 converter writes no layer types and its graph takes every 6th layer as full attention: the
+    matrix's tiny Gemma 3 (sliding and full alternating) would be served as another model, with no error. The
+    conversion is refused in one line, and nothing is written."""
+    config = ARCHS["gemma3"]()
+    config.vocab_size = len(smollm2_tokenizer)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "target")
+    smollm2_tokenizer.save_pretrained(tmp_path / "target")
+    with pytest.raises(SpecdrafterError, match=r"llama.cpp assumes every 6th layer full attention .* llama-server would "
+                                               "compute another model"):
+        llamacpp.convert(tmp_path / "target", tmp_path / "target.gguf")
+    assert not (tmp_path / "target.gguf").exists()

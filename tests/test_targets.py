@@ -232,11 +232,11 @@ def test_asd_on_each_architecture_is_greedy_at_no_budget_and_charges_its_exact_r
     assert 0 < asd.asd_regret <= 2.0 and sum(regret) == pytest.approx(asd.asd_regret, abs=1e-4)
 
 
-def multimodal_gemma3(vocab: int, text_ids: Optional[dict] = None, **top):
-    """A tiny Gemma3ForConditionalGeneration: the matrix's Gemma 3 as its language model (`text_ids`: its bos, eos,
-    pad ids), a 1-layer vision tower; `top`: more Gemma3Config keys."""
+def multimodal_gemma3(vocab: int, text: Optional[dict] = None, **top):
+    """A tiny Gemma3ForConditionalGeneration: the matrix's Gemma 3 as its language model (`text`: more or other keys
+    of it, e.g. its bos, eos, pad ids), a 1-layer vision tower; `top`: more Gemma3Config keys."""
     text = {**COMMON, "vocab_size": vocab, "head_dim": 16, "sliding_window": WINDOW,
-            "layer_types": ["sliding_attention", "full_attention"] * 2, **(text_ids or {})}
+            "layer_types": ["sliding_attention", "full_attention"] * 2, **(text or {})}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     torch.manual_seed(0)
