@@ -185,6 +185,9 @@ def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtyp
 # Architectures whose converter writes no per-layer attention types: llama.cpp's graph assumes the published pattern,
 # one full-attention layer after every n − 1 sliding ones (models/gemma3.cpp: load_swa_pattern(ml, 6)).
 ASSUMED_PATTERN = {"Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6}
+# Architectures converted to a graph without sliding-window attention (Mistral converts as Llama): every layer attends
+# to every earlier position, whatever the config's `sliding_window`.
+NO_SLIDING_WINDOW = ("MistralForCausalLM",)
 
 
 def check_layer_pattern(model: Path) -> None:
@@ -196,6 +199,12 @@ def check_layer_pattern(model: Path) -> None:
     except (OSError, ValueError):
         return
     arch = (config.get("architectures") or [None])[0]
+    window = config.get("sliding_window")
+    if arch in NO_SLIDING_WINDOW and window and window < config.get("max_position_embeddings", float("inf")):
+        raise SpecdrafterError(f"llama.cpp {SDIST.version} cannot run {Path(model).name} as it is: it converts {arch} "
+                               f"as Llama, whose graph attends to every earlier position, where this model's layers see "
+                               f"only the last {window} (sliding_window); beyond {window} tokens llama-server would "
+                               "compute another model")
     types = (config.get("text_config") or config).get("layer_types")
     if arch not in ASSUMED_PATTERN or not types:
         return

@@ -44,6 +44,8 @@ NAMES = [n for n in ARCHS if n != "llama"]  # Llama: tests/test_gguf.py
 # llama.cpp assumes Gemma 3's published layout, every 6th layer full attention (core/llamacpp.py:check_layer_pattern):
 # its Gemma 3 cells are 6 layers laid out so, where the matrix's tiny Gemma 3 alternates sliding and full
 GEMMA3_LAYOUT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+# and Mistral converts as Llama, without a sliding window: its cells have none (as Mistral-Small's published config)
+LLAMACPP_LAYOUT = {"gemma3": GEMMA3_LAYOUT, "mistral": {"sliding_window": None}}
 PROMPT = list(range(100, 120))
 NEW = 24
 
@@ -57,8 +59,7 @@ def served(tmp_path_factory, smollm2_tokenizer):
         if name not in made:
             folder = tmp_path_factory.mktemp(f"llamacpp-{name}")
             config = ARCHS[name]()
-            if name == "gemma3":
-                config.update(GEMMA3_LAYOUT)
+            config.update(LLAMACPP_LAYOUT.get(name, {}))
             config.vocab_size = len(smollm2_tokenizer)
             config.bos_token_id = smollm2_tokenizer.bos_token_id
             config.eos_token_id = config.pad_token_id = smollm2_tokenizer.eos_token_id
@@ -149,16 +150,20 @@ def test_a_multimodal_gemma3_target_converts_and_serves_a_draft_model_in_llamacp
         export(eagle, "gguf", tmp_path / "eagle-gguf")
 
 
-def test_a_gemma3_whose_layers_are_not_laid_out_as_llamacpp_assumes_is_refused_in_one_line(tmp_path, smollm2_tokenizer):
-    """llama.cpp's Gemma 3 converter writes no layer types and its graph takes every 6th layer as full attention: the
-    matrix's tiny Gemma 3 (sliding and full alternating) would be served as another model, with no error. The
-    conversion is refused in one line, and nothing is written."""
-    config = ARCHS["gemma3"]()
+@pytest.mark.parametrize("name, refused", [
+    ("gemma3", r"llama.cpp assumes every 6th layer full attention .* llama-server would compute another model"),
+    ("mistral", r"converts MistralForCausalLM as Llama, .* see only the last 8 \(sliding_window\); beyond 8 tokens"),
+])
+def test_a_target_llamacpp_would_run_as_another_model_is_refused_in_one_line(name, refused, tmp_path, smollm2_tokenizer):
+    """llama.cpp's Gemma 3 converter writes no layer types and its graph takes every 6th layer as full attention, and
+    it converts Mistral as Llama, with no sliding window: the matrix's tiny Gemma 3 (sliding and full alternating) and
+    Mistral (window 8) would be served as other models, with no error (found by benchmarks/llamacpp_sampling.py: the
+    target alone's first two tokens left its law, p = 0). The conversion is refused in one line, nothing written."""
+    config = ARCHS[name]()
     config.vocab_size = len(smollm2_tokenizer)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "target")
     smollm2_tokenizer.save_pretrained(tmp_path / "target")
-    with pytest.raises(SpecdrafterError, match=r"llama.cpp assumes every 6th layer full attention .* llama-server would "
-                                               "compute another model"):
+    with pytest.raises(SpecdrafterError, match=refused):
         llamacpp.convert(tmp_path / "target", tmp_path / "target.gguf")
     assert not (tmp_path / "target.gguf").exists()
