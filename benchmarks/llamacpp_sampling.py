@@ -10,8 +10,8 @@ A tiny random target (SmolLM2's tokenizer, its lm_head sharpened so that a few d
 mass) is converted to GGUF: by default a 6-layer Llama of width 64; with --arch, the architecture matrix's tiny model
 of that row (models/targets.py:tiny_config: 4 layers, width 64, its features on — a sliding window of 8 over the
 16-token prompt, MoE routing, gpt-oss's sinks, MLA, Qwen3-Next's linear attention; Gemma 3 in 6 layers, the layout
-llama.cpp assumes, one full-attention layer after five sliding ones, and Mistral without a window, which llama.cpp
-does not apply), so that llama.cpp's own cache
+llama.cpp assumes, one full-attention layer after five sliding ones, attention scaled by the head size, and Mistral
+without a window, which llama.cpp does not apply), so that llama.cpp's own cache
 rollback for that architecture runs under the test. A drafter family the export refuses beside that target (llama.cpp
 cannot serve it there) drops its arms, and the report says why.
 
@@ -85,8 +85,9 @@ def tiny_target(folder: Path, arch: str):
                                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
     else:
         config = tiny_config(arch, len(tok))
-        if arch == "gemma3":  # the layout llama.cpp assumes for Gemma 3 (core/llamacpp.py:check_layer_pattern)
-            config.update({"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+        if arch == "gemma3":  # the layout and attention scale llama.cpp assumes (core/llamacpp.py:check_served_as_is)
+            config.update({"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                           "query_pre_attn_scalar": config.head_dim})
         if arch == "mistral":  # llama.cpp converts Mistral as Llama, with no sliding window (as Mistral-Small has none)
             config.sliding_window = None
         config.tie_word_embeddings = False

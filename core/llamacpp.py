@@ -168,7 +168,7 @@ def converter_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtype: str = "f32") -> None:
     """llama.cpp's convert_hf_to_gguf.py on `model` (a drafter beside `target_folder`, or a plain causal LM) into
     `out`; a failure is one line naming its last error and the log it leaves in `home()`."""
-    check_layer_pattern(model)
+    check_served_as_is(model)
     cmd = [sys.executable, str(converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
     if target_folder is not None:
         cmd += ["--target-model-dir", str(target_folder)]
@@ -190,10 +190,11 @@ ASSUMED_PATTERN = {"Gemma3ForCausalLM": 6, "Gemma3ForConditionalGeneration": 6}
 NO_SLIDING_WINDOW = ("MistralForCausalLM",)
 
 
-def check_layer_pattern(model: Path) -> None:
-    """One line for a model whose `layer_types` differ from the pattern llama.cpp assumes for its architecture (a
-    Gemma 3 with its own sliding/full layout, or a draft model that copied a full-attention layer first): llama-server
-    would run another model than the folder's, with no error."""
+def check_served_as_is(model: Path) -> None:
+    """One line for a model that llama.cpp would run as another model, with no error: where its converter drops a
+    setting and its graph assumes the published checkpoints' value. A Gemma 3 with its own sliding/full layout (or a
+    draft model that copied a full-attention layer first) or its own attention scale; a Mistral with a sliding
+    window."""
     try:
         config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
@@ -205,7 +206,16 @@ def check_layer_pattern(model: Path) -> None:
                                f"as Llama, whose graph attends to every earlier position, where this model's layers see "
                                f"only the last {window} (sliding_window); beyond {window} tokens llama-server would "
                                "compute another model")
-    types = (config.get("text_config") or config).get("layer_types")
+    text = config.get("text_config") or config
+    if arch in ASSUMED_PATTERN and "query_pre_attn_scalar" in text:  # models/gemma3.cpp: f_attention_scale
+        heads, layers = text.get("num_attention_heads", 8), text.get("num_hidden_layers")
+        assumed = text["hidden_size"] // heads if layers == 62 else text.get("head_dim", 256)
+        if text["query_pre_attn_scalar"] != assumed:
+            raise SpecdrafterError(f"llama.cpp {SDIST.version} cannot run {Path(model).name} as it is: it scales "
+                                   f"{arch}'s attention by 1/√{assumed} (the head size; hidden ÷ heads at 62 layers), "
+                                   f"where this model's query_pre_attn_scalar is {text['query_pre_attn_scalar']}; "
+                                   "llama-server would compute another model")
+    types = text.get("layer_types")
     if arch not in ASSUMED_PATTERN or not types:
         return
     n = ASSUMED_PATTERN[arch]

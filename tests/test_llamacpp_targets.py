@@ -41,9 +41,11 @@ REFUSED |= {("qwen3_moe", k): "converter fails on .* Qwen3-MoE target" for k in 
 # allocate: GGML_ASSERT(buffer)), so the export refuses a draft model without a full-attention layer
 REFUSED[("qwen3_next", "draft_model")] = "layers are all linear_attention, and llama-server aborts"
 NAMES = [n for n in ARCHS if n != "llama"]  # Llama: tests/test_gguf.py
-# llama.cpp assumes Gemma 3's published layout, every 6th layer full attention (core/llamacpp.py:check_layer_pattern):
-# its Gemma 3 cells are 6 layers laid out so, where the matrix's tiny Gemma 3 alternates sliding and full
-GEMMA3_LAYOUT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+# llama.cpp assumes Gemma 3's published layout, every 6th layer full attention, and attention scaled by the head size
+# (core/llamacpp.py:check_served_as_is): its Gemma 3 cells are 6 layers laid out so, with query_pre_attn_scalar the
+# head size, where the matrix's tiny Gemma 3 alternates sliding and full layers and keeps transformers' 256
+GEMMA3_LAYOUT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                 "query_pre_attn_scalar": 16}
 # and Mistral converts as Llama, without a sliding window: its cells have none (as Mistral-Small's published config)
 LLAMACPP_LAYOUT = {"gemma3": GEMMA3_LAYOUT, "mistral": {"sliding_window": None}}
 PROMPT = list(range(100, 120))
@@ -150,16 +152,23 @@ def test_a_multimodal_gemma3_target_converts_and_serves_a_draft_model_in_llamacp
         export(eagle, "gguf", tmp_path / "eagle-gguf")
 
 
-@pytest.mark.parametrize("name, refused", [
-    ("gemma3", r"llama.cpp assumes every 6th layer full attention .* llama-server would compute another model"),
-    ("mistral", r"converts MistralForCausalLM as Llama, .* see only the last 8 \(sliding_window\); beyond 8 tokens"),
+@pytest.mark.parametrize("name, change, refused", [
+    ("gemma3", {"query_pre_attn_scalar": 16},
+     r"llama.cpp assumes every 6th layer full attention .* llama-server would compute another model"),
+    ("gemma3", {**GEMMA3_LAYOUT, "query_pre_attn_scalar": 256},
+     r"scales Gemma3ForCausalLM's attention by 1/√16 .* query_pre_attn_scalar is 256"),
+    ("mistral", {}, r"converts MistralForCausalLM as Llama, .* see only the last 8 \(sliding_window\); beyond 8 tokens"),
 ])
-def test_a_target_llamacpp_would_run_as_another_model_is_refused_in_one_line(name, refused, tmp_path, smollm2_tokenizer):
+def test_a_target_llamacpp_would_run_as_another_model_is_refused_in_one_line(name, change, refused, tmp_path,
+                                                                               smollm2_tokenizer):
     """llama.cpp's Gemma 3 converter writes no layer types and its graph takes every 6th layer as full attention, and
     it converts Mistral as Llama, with no sliding window: the matrix's tiny Gemma 3 (sliding and full alternating) and
     Mistral (window 8) would be served as other models, with no error (found by benchmarks/llamacpp_sampling.py: the
-    target alone's first two tokens left its law, p = 0). The conversion is refused in one line, nothing written."""
+    target alone's first two tokens left its law, p = 0); so would a Gemma 3 whose attention scale
+    (query_pre_attn_scalar) is not its head size, as llama.cpp takes it. The conversion is refused in one line,
+    nothing written."""
     config = ARCHS[name]()
+    config.update(change)
     config.vocab_size = len(smollm2_tokenizer)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "target")
