@@ -3,7 +3,7 @@ with and without a drafter, against the target's own law computed exactly (float
 
     python benchmarks/llamacpp_sampling.py [--samples 3000] [--kind eagle3|dspark] [--noise 0.1]
                                            [--arch llama|qwen3|qwen3_moe|mistral|gemma3|gpt_oss|deepseek_v3|qwen3_next]
-                                           [--out runs/llamacpp-sampling]
+                                           [--arms SUBSTRING] [--out runs/llamacpp-sampling]
     python benchmarks/llamacpp_sampling.py --summarise DIR [DIR ...]     # one table over several runs
 
 A tiny random target (SmolLM2's tokenizer, its lm_head sharpened so that a few dozen token pairs carry most of the
@@ -228,6 +228,8 @@ def main() -> None:
                                                              "gpt_oss", "deepseek_v3", "qwen3_next"),
                         help="the target's architecture: a row of the matrix (docs/targets.md)")
     parser.add_argument("--out", type=Path, default=None, help="default runs/llamacpp-sampling[-ARCH]")
+    parser.add_argument("--arms", help="only the arms whose name contains this (e.g. probabilistic), and the target "
+                                           "alone")
     parser.add_argument("--summarise", nargs="+", metavar="DIR", help="print one table over these runs' results, "
                                                                       "and nothing else")
     args = parser.parse_args()
@@ -259,11 +261,14 @@ def main() -> None:
         arms.update({f"{name}, {mode}": {"draft": gguf, "spec_type": spec_type, "n_max": N_MAX, "p_min": 0.0,
                                          "extra": ["--spec-draft-sampling", mode]}
                      for name, (gguf, spec_type) in drafters.items() for mode in MODES})
+        if args.arms:  # the target alone stays: the other arms' "seeds with the target alone's pair" read it
+            arms = {arm: a for arm, a in arms.items() if arm == "target alone" or args.arms in arm}
         result = {"samples": args.samples, "kind": args.kind, "noise": args.noise, "arch": args.arch,
                   "target": model.config.model_type, "n_predict": N_PREDICT, "n_max": N_MAX, "alpha": ALPHA,
                   "llama.cpp": llamacpp.SDIST.version, "refused": refused,
                   "command": f"python benchmarks/llamacpp_sampling.py --samples {args.samples} --kind {args.kind} "
-                             f"--noise {args.noise}" + ("" if args.arch == "llama" else f" --arch {args.arch}"),
+                             f"--noise {args.noise}" + ("" if args.arch == "llama" else f" --arch {args.arch}")
+                             + (f" --arms {args.arms!r}" if args.arms else ""),
                   "arms": {}}
         alone = None
         for arm, server_args in arms.items():
