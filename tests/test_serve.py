@@ -50,8 +50,11 @@ def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of, tmp_path)
     port = free_port()
     # its output goes to a file: an unread pipe fills up with the export's progress lines and blocks the job
     out = (tmp_path / "serve.log").open("w")
+    # Ctrl-C's default disposition in the job, as in a terminal: a suite started in the background of a shell (`cmd &`)
+    # hands its children SIGINT ignored, and the job would never see the signal this test sends
     job = subprocess.Popen([sys.executable, "-m", "specdrafter.export.serve", str(run), "--k", "2", "--port",
-                            str(port)], stdout=out, stderr=subprocess.STDOUT, text=True)
+                            str(port)], stdout=out, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     while True:
         try:
