@@ -44,6 +44,7 @@ Needs `specdrafter-llamacpp install`.
 import argparse
 import copy
 import json
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -62,7 +63,7 @@ from specdrafter.export.gguf import DRAFT_FILE
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, build_drafter
-from specdrafter.models.targets import tiny_config
+from specdrafter.models.targets import LLAMACPP_LAYOUT, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHARPEN = 36.0
@@ -85,11 +86,7 @@ def tiny_target(folder: Path, arch: str):
                                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
     else:
         config = tiny_config(arch, len(tok))
-        if arch == "gemma3":  # the layout and attention scale llama.cpp assumes (core/llamacpp.py:check_served_as_is)
-            config.update({"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-                           "query_pre_attn_scalar": config.head_dim})
-        if arch == "mistral":  # llama.cpp converts Mistral as Llama, with no sliding window (as Mistral-Small has none)
-            config.sliding_window = None
+        config.update(LLAMACPP_LAYOUT.get(arch, {}))  # what llama.cpp assumes of Gemma 3 and Mistral
         config.tie_word_embeddings = False
         config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
         model = AutoModelForCausalLM.from_config(config)
@@ -234,7 +231,10 @@ def main() -> None:
                                                                       "and nothing else")
     args = parser.parse_args()
     if args.summarise:
-        print(summary(args.summarise))
+        try:
+            print(summary(args.summarise))
+        except (OSError, ValueError, KeyError) as e:  # a folder without a finished run's result.json
+            sys.exit(f"error: --summarise: {type(e).__name__}: {e} (each DIR holds a run's result.json)")
         return
     args.out = args.out or REPO / "runs" / ("llamacpp-sampling" + ("" if args.arch == "llama" else f"-{args.arch}"))
     start = time.monotonic()

@@ -65,6 +65,13 @@ def tiny_config(name: str, vocab_size: int = 16, window: int = 8):
     return getattr(transformers, cls)(**{**common, **own})
 
 
+# What llama.cpp assumes of rows its converter does not describe in full (core/llamacpp.py:check_served_as_is), as
+# changes to `tiny_config`: Gemma 3 in the published layout (one full-attention layer after five sliding ones) with
+# its attention scaled by the head size, Mistral without a sliding window (it converts as Llama).
+LLAMACPP_LAYOUT = {"gemma3": {"num_hidden_layers": 6, "layer_types": [SLIDING] * 5 + [FULL], "query_pre_attn_scalar": 16},
+                   "mistral": {"sliding_window": None}}
+
+
 def layer_types(config) -> List[str]:
     """The attention type of each layer: `config.layer_types` where the config has it, else every layer sliding when
     the config sets a sliding window it uses (Mistral), else every layer full."""

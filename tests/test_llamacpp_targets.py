@@ -22,6 +22,7 @@ from specdrafter.export.gguf import DRAFT_FILE
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import build_drafter
+from specdrafter.models.targets import LLAMACPP_LAYOUT
 
 pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
 
@@ -41,13 +42,10 @@ REFUSED |= {("qwen3_moe", k): "converter fails on .* Qwen3-MoE target" for k in 
 # allocate: GGML_ASSERT(buffer)), so the export refuses a draft model without a full-attention layer
 REFUSED[("qwen3_next", "draft_model")] = "layers are all linear_attention, and llama-server aborts"
 NAMES = [n for n in ARCHS if n != "llama"]  # Llama: tests/test_gguf.py
-# llama.cpp assumes Gemma 3's published layout, every 6th layer full attention, and attention scaled by the head size
-# (core/llamacpp.py:check_served_as_is): its Gemma 3 cells are 6 layers laid out so, with query_pre_attn_scalar the
-# head size, where the matrix's tiny Gemma 3 alternates sliding and full layers and keeps transformers' 256
-GEMMA3_LAYOUT = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-                 "query_pre_attn_scalar": 16}
-# and Mistral converts as Llama, without a sliding window: its cells have none (as Mistral-Small's published config)
-LLAMACPP_LAYOUT = {"gemma3": GEMMA3_LAYOUT, "mistral": {"sliding_window": None}}
+# llama.cpp's Gemma 3 and Mistral cells take what it assumes (models/targets.py:LLAMACPP_LAYOUT), where the matrix's
+# tiny Gemma 3 alternates sliding and full layers with transformers' query_pre_attn_scalar of 256, and its Mistral has
+# a window of 8
+GEMMA3_LAYOUT = LLAMACPP_LAYOUT["gemma3"]
 PROMPT = list(range(100, 120))
 NEW = 24
 
