@@ -72,6 +72,7 @@ POSITIVE = Rule(lambda v: v > 0, "> 0")
 AT_LEAST_ONE = Rule(lambda v: v >= 1, ">= 1")
 SHARE = Rule(lambda v: 0 <= v <= 1, "in [0, 1]")
 TOP_P = Rule(lambda v: 0 < v <= 1, "in (0, 1]")
+CUT = Rule(lambda v: 0 < v < 1, "in (0, 1)")
 NON_EMPTY = Rule(lambda v: len(v) >= 1, "a non-empty list", whole=True)
 
 
@@ -463,6 +464,9 @@ class EvalLlamaCppConfig:
     # nothing else meanwhile.
     threads: int = checked(1, AT_LEAST_ONE)
     outtype: GGUFType = GGUFType.f32  # the target's GGUF (the drafter's is always f32, as trained)
+    # Extra cells on the first set at T = 0: the drafter at its longest block with llama.cpp's confidence cut
+    # (--spec-draft-p-min) at each of these values
+    p_min_sweep: List[float] = checked([], CUT)
 
 
 ASD_SETTINGS = Rule(lambda v: all(len(s) == 3 and s[0] >= 0 and s[1] >= 0 and s[2] >= 1 for s in v), whole=True,

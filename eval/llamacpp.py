@@ -8,12 +8,18 @@ The cost model is the loop's (docs/algorithms.md §Speedup model), with llama.cp
   depth of `DEPTH` tokens), rounds of every size in rotating order, so a slow spell hits every size alike
   (`measure_v`, the loop's `PassCosts`).
 - c(k): what one step of drafting k tokens costs in llama-server beyond the verify pass, ÷ one target step. Measured
-  in the server itself, as `calibrate` runs the drafter at n_max = 1 and n_max = K on calibration prompts: per
-  verify step, c(k) = step time ÷ target-only token time − v(k+1); in between, linear in k (an EAGLE-3 head drafts
-  token by token, a block drafter in one pass whose size grows with k: a line covers both).
+  in the server itself, as `calibrate` runs the drafter at n_max = k for k in `CALIBRATED_K` and at n_max = K on
+  calibration prompts: per verify step, c(k) = step time ÷ target-only token time − v(k+1); linear in k between the
+  measured points (the k a plan picks are small, so they are measured, not interpolated: a line from k = 1 to K
+  under-counted EAGLE-3's second draft by about a sixth on an AVX512 Xeon).
 - E[tokens | k] = 1 + Σ_{j≤k} P(A ≥ j), A the drafts accepted in a step, from llama-server's own per-position
   counters at n_max = K (its log at `-lv 4`, "acc per pos"); at T = 0 the first k drafts do not depend on n_max, so
   the curve at K serves every k ≤ K.
+
+- A confidence cut: llama.cpp stops a step's drafting where the drafter's top probability (DSpark: its confidence
+  head) falls below `--spec-draft-p-min`. `calibrate` also runs the drafter at n_max = K with each p_min of
+  `CONFIDENCE_CUTS`, and such a setting is priced by what it measured there: tokens per step ÷ the step's cost in
+  target steps (a step drafts a varying number of tokens, so the cost is measured, not composed from v and c).
 
 llama.cpp's replies carry `draft_n` and `draft_n_accepted`; each verify step commits its accepted drafts and one
 token of the target's, so a reply's verify steps are `predicted_n − 1 − draft_n_accepted` (its first token comes
@@ -46,6 +52,8 @@ DEPTH = 128  # tokens already in the cache when llama-bench times a pass (a deco
 # tokens flipped). Twice the largest measured move is still a tie; a larger margin is a wrong verifier. f16 is taken
 # as bf16 and q8_0 is a guess: neither was measured.
 TIE_MARGIN = {"f32": 0.03, "f16": 0.3, "bf16": 0.3, "q8_0": 0.3}
+CALIBRATED_K = (1, 2, 3, 4)  # block lengths whose drafting cost is measured, beside the drafter's longest, K
+CONFIDENCE_CUTS = (0.3, 0.5, 0.7)  # --spec-draft-p-min values measured at n_max = K
 _POS_LINE = re.compile(r"acc per pos = \(([0-9., ]*)\)")
 
 
@@ -135,12 +143,27 @@ def conditional(reach: Sequence[float]) -> List[float]:
 
 # ------------------------------------------------------------------------------------------- calibration
 @dataclass
+class Cut:
+    """The drafter at n_max = K with llama.cpp's confidence cut p_min, as measured in the server (T = 0)."""
+
+    p_min: float
+    tokens_per_step: float
+    drafts_per_step: float
+    step_cost: float  # one verify step (drafting included) ÷ one target-only token
+
+    @property
+    def predicted(self) -> float:
+        return self.tokens_per_step / self.step_cost
+
+
+@dataclass
 class Calibration:
-    """A drafter in llama-server on this machine: c at two block lengths, its acceptance curve, the v(n) it goes with."""
+    """A drafter in llama-server on this machine: c at the measured block lengths, its acceptance curve, the v(n) it
+    goes with."""
 
     spec_type: str
     max_k: int
-    c: Dict[int, float]  # {1: c(1), K: c(K)}
+    c: Dict[int, float]  # c(k) at the measured k (CALIBRATED_K up to K, and K)
     reach: List[float]  # P(A ≥ j), j = 1..K, at T = 0
     v: Dict[int, float]  # llama.cpp's v(n), fitted monotone
     v_noise: float
@@ -148,9 +171,15 @@ class Calibration:
     threads: int
     prompts: int
     tokens: int  # per prompt
+    cuts: List[Cut] = field(default_factory=list)  # at n_max = max_k, one per p_min of CONFIDENCE_CUTS
 
     def c_at(self, k: int) -> float:
-        lo, hi = min(self.c), max(self.c)
+        """c(k), measured or on the line between the nearest measured block lengths (the end ones beyond them)."""
+        if k in self.c:
+            return self.c[k]
+        ks = sorted(self.c)
+        lo = max([x for x in ks if x < k] or ks[:1])
+        hi = min([x for x in ks if x > k] or ks[-1:])
         if hi == lo:
             return self.c[lo]
         return self.c[lo] + (self.c[hi] - self.c[lo]) * (k - lo) / (hi - lo)
@@ -158,9 +187,19 @@ class Calibration:
     def tokens_per_step(self, k: int) -> float:
         return expected_tokens(conditional(self.reach), k)
 
-    def step_cost(self, k: int) -> float:
-        """One verify step at block length k, in target steps: v(k+1) + c(k)."""
+    def step_cost(self, k: int, p_min: float = 0.0) -> float:
+        """One verify step at block length k, in target steps: v(k+1) + c(k); with a confidence cut, the step cost
+        measured at that cut."""
+        if p_min > 0:
+            return self.cut(p_min).step_cost
         return pass_cost(self.v, k + 1) + self.c_at(k)
+
+    def cut(self, p_min: float) -> Cut:
+        found = [c for c in self.cuts if abs(c.p_min - p_min) < 1e-9]
+        if not found:
+            raise SpecdrafterError(f"the calibration has no confidence cut at p_min {p_min:g} (measured: "
+                                   f"{', '.join(f'{c.p_min:g}' for c in self.cuts) or 'none'})")
+        return found[0]
 
     def predicted(self, k: int) -> float:
         """The predicted speedup over the same server without the drafter at block length k."""
@@ -186,11 +225,16 @@ class Calibration:
 
     def choose(self) -> "Choice":
         """The k with the best predicted speedup among those acceptance does not rule out (the loop's
-        `robust_choice`), and whether it pays: predicted ≥ 1 + the timing noise."""
+        `robust_choice`), or a confidence cut where one beats that k by more than the timing noise; and whether it
+        pays: predicted ≥ 1 + the timing noise."""
         ks = list(range(1, self.max_k + 1))
         noise = max(MIN_NOISE, self.v_noise)
         best = ks[robust_choice([self.tokens_per_step(k) for k in ks], [self.predicted(k) for k in ks], noise)]
-        return Choice(best, self.predicted(best), self.predicted(best) >= 1 + noise, noise)
+        choice = Choice(best, self.predicted(best), self.predicted(best) >= 1 + noise, noise)
+        cut = max(self.cuts, key=lambda c: c.predicted, default=None)
+        if cut is not None and cut.predicted > choice.predicted * (1 + noise):
+            choice = Choice(self.max_k, cut.predicted, cut.predicted >= 1 + noise, noise, cut.p_min)
+        return choice
 
     def to_json(self) -> dict:
         return {**asdict(self), "c": {str(k): x for k, x in self.c.items()}, "v": {str(n): x for n, x in self.v.items()}}
@@ -198,28 +242,33 @@ class Calibration:
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
         return cls(**{**data, "c": {int(k): x for k, x in data["c"].items()},
-                      "v": {int(n): x for n, x in data["v"].items()}})
+                      "v": {int(n): x for n, x in data["v"].items()},
+                      "cuts": [Cut(**c) for c in data.get("cuts", [])]})
 
 
 @dataclass(frozen=True)
 class Choice:
-    k: int
+    k: int  # --spec-draft-n-max
     predicted: float
     pays: bool  # predicted speedup clear of 1 by the timing noise
     noise: float
+    p_min: float = 0.0  # --spec-draft-p-min: 0 drafts k tokens every step
+
+    def flags(self) -> str:
+        return f"--spec-draft-n-max {self.k}" + (f" --spec-draft-p-min {self.p_min:g}" if self.p_min else "")
 
 
 def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Sequence[Sequence[int]],
               tokens: int = 64, threads: int = 1, costs: Optional[PassCosts] = None, log=print) -> Calibration:
-    """Measure the drafter in llama-server: target-only token time, then the drafter at n_max = 1 and n_max =
-    max_k on `prompts` at T = 0 (one server at a time: llama.cpp's threads spin)."""
+    """Measure the drafter in llama-server: target-only token time, then the drafter at each n_max of
+    `CALIBRATED_K` up to max_k and at max_k, on `prompts` at T = 0 (one server at a time: llama.cpp's threads spin)."""
     costs = costs or measure_v(target, range(2, max_k + 2), threads)
     log(f"llama.cpp v(n) for n = 1..{max_k + 1}: " + ", ".join(f"{costs.v[n]:.2f}" for n in sorted(costs.v)))
     with LlamaServer(target, threads=threads) as alone:
         base = [answer(alone, p, tokens, ignore_eos=True) for p in prompts]
     target_ms = token_ms(base)
     c, reach = {}, []
-    for k in sorted({1, max_k}):
+    for k in sorted({k for k in CALIBRATED_K if k <= max_k} | {max_k}):
         with LlamaServer(target, draft, spec_type, n_max=k, p_min=0.0, threads=threads, extra=["-lv", "4"]) as s:
             runs = [answer(s, p, tokens, ignore_eos=True) for p in prompts]  # equal lengths: rows pool evenly
             log_text = settled_log(s, len(prompts))
@@ -228,7 +277,17 @@ def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Se
         if k == max_k:
             reach = reach_curve(log_text) or [sum(a.accepted for a in runs) / sum(a.steps for a in runs)]
         log(f"  n_max {k}: {step_ms:.1f} ms per step against {target_ms:.1f} ms per target token, c({k}) = {c[k]:.3f}")
-    return Calibration(spec_type, max_k, c, reach, dict(costs.v), costs.noise, target_ms, threads, len(prompts), tokens)
+    cuts = []
+    for p_min in CONFIDENCE_CUTS:
+        with LlamaServer(target, draft, spec_type, n_max=max_k, p_min=p_min, threads=threads) as s:
+            runs = [answer(s, p, tokens, ignore_eos=True) for p in prompts]
+        steps = sum(a.steps for a in runs)
+        cuts.append(Cut(p_min, 1 + sum(a.accepted for a in runs) / steps, sum(a.drafted for a in runs) / steps,
+                        sum(a.ms for a in runs) / steps / target_ms))
+        log(f"  n_max {max_k}, p_min {p_min:g}: {cuts[-1].drafts_per_step:.2f} drafts and "
+            f"{cuts[-1].tokens_per_step:.2f} tokens per step at {cuts[-1].step_cost:.2f} target steps each")
+    return Calibration(spec_type, max_k, c, reach, dict(costs.v), costs.noise, target_ms, threads, len(prompts), tokens,
+                       cuts)
 
 
 # --------------------------------------------------------------------------------------- T = 0 identity
@@ -289,20 +348,23 @@ class ArmResult:
     predicted_speedup: Optional[float] = None
     identical: Optional[int] = None  # T = 0: answers identical to target-only decoding
     departures: List[dict] = field(default_factory=list)
+    p_min: float = 0.0  # llama.cpp's confidence cut (0: every step drafts k)
 
 
 def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Sequence[Sequence[int]], tokens: int,
                  temperature: float = 0.0, threads: int = 1, outtype: str = "f32",
-                 calibration: Optional[Calibration] = None, log=print, raise_inexact: bool = True) -> ArmResult:
+                 calibration: Optional[Calibration] = None, log=print, raise_inexact: bool = True,
+                 p_min: float = 0.0) -> ArmResult:
     """Both servers up (idle, a server does not spin), prompts sent to each in turn: target-only, then drafted, so a
     slow spell hits both arms of a prompt. At T = 0 every answer must equal target-only decoding, or depart at a tie
     (else InexactVerifier, or with raise_inexact=False the departures are only recorded: `check_exact`).
 
     The predicted speedup is the cost model's at the acceptance measured here: τ ÷ (v(k+1) + c(k)) with the
-    calibration's costs, as the loop's cells predict theirs from their own α."""
+    calibration's costs, as the loop's cells predict theirs from their own α (with a confidence cut p_min, the
+    step cost the calibration measured at that cut)."""
     alone, drafted, ratios, departures = [], [], [], []
     with LlamaServer(target, threads=threads) as base, \
-            LlamaServer(target, draft, spec_type, n_max=k, p_min=0.0, threads=threads) as spec:
+            LlamaServer(target, draft, spec_type, n_max=k, p_min=p_min, threads=threads) as spec:
         for i, p in enumerate(prompts):
             a, d = answer(base, p, tokens, temperature, seed=i), answer(spec, p, tokens, temperature, seed=i)
             alone.append(a)
@@ -321,8 +383,9 @@ def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Seq
         round(1 + accepted / sum(d.steps for d in drafted), 4), drafts, accepted,  # τ: the prompt pass's token aside
         None,
         None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])
+    result.p_min = p_min
     if calibration is not None:
-        result.predicted_speedup = round(result.tau / calibration.step_cost(k), 3)
+        result.predicted_speedup = round(result.tau / calibration.step_cost(k, p_min), 3)
     if raise_inexact:
         check_exact(result)
     return result

@@ -108,7 +108,7 @@ def llamacpp_section(data: dict) -> List[str]:
             if c["verifier"] == "chain" and not c.get("asd")}
 
     def loop_speedup(c: dict) -> Optional[float]:
-        found = loop.get((c["checkpoint"], c["set"], c["temperature"], c["k"]))
+        found = None if c.get("p_min") else loop.get((c["checkpoint"], c["set"], c["temperature"], c["k"]))
         return _speedup(found) if found else None
 
     def identical(c: dict) -> str:
@@ -125,14 +125,22 @@ def llamacpp_section(data: dict) -> List[str]:
              f"Each cell: the same prompts through llama-server without and with the drafter, alternating prompt by "
              f"prompt; `speedup` = the median of the per-prompt ratios of tok/s, `range` their max − min; α and τ from "
              f"llama.cpp's own counters (draft_n, draft_n_accepted); `predicted` = τ ÷ (v(k+1) + c(k)) at llama.cpp's "
-             f"measured costs; `loop` = our loop's speedup for the same set, T and k (— if the loop did not run "
+             f"measured costs (with a confidence cut p_min: τ ÷ the step cost measured at that cut); `loop` = our "
+             f"loop's speedup for the same set, T and k (— if the loop did not run "
              f"it). llama.cpp's target runs {1000 / cal['target_ms']:.1f} tok/s here; v(n) = "
              + ", ".join(f"{n}: {x:.2f}" for n, x in cal["v"].items())
              + "; c(k) = " + ", ".join(f"{k}: {x:.3f}" for k, x in cal["c"].items())
-             + f" (per target step, linear in between). The plan picks k = {choice['k']}, predicted "
-             f"{choice['predicted']:.2f}×, which {pays} (timing noise ±{100 * choice['noise']:.0f} %).", "",
-             cell_table(sorted(arm["cells"], key=lambda c: (c["sweep"], c["set"], c["temperature"], c["k"])), [
-                 ("set", "set"), ("T", "temperature"), ("k", "k"), ("α", "alpha"), ("τ", "tau"),
+             + " (per target step, linear in between)"
+             + "".join(f"; confidence cut p_min {c['p_min']:g} at k = {cal['max_k']}: {c['tokens_per_step']:.2f} "
+                       f"tokens per step at {c['step_cost']:.2f} target steps" for c in cal.get("cuts", []))
+             + f". The plan picks k = {choice['k']}"
+             + (f" with p_min {choice['p_min']:g}" if choice.get("p_min") else "")
+             + f", predicted {choice['predicted']:.2f}×, which {pays} (timing noise ±{100 * choice['noise']:.0f} %).",
+             "",
+             cell_table(sorted(arm["cells"], key=lambda c: (c["sweep"], c["set"], c["temperature"], c["k"],
+                                                            c.get("p_min", 0.0))), [
+                 ("set", "set"), ("T", "temperature"), ("k", "k"), ("p_min", lambda c: c.get("p_min") or "–"),
+                 ("α", "alpha"), ("τ", "tau"),
                  ("target tok/s", "alone_tokens_per_s"), ("drafted tok/s", "drafted_tokens_per_s"),
                  ("speedup", "speedup_median"), ("range", "speedup_range"), ("predicted", "predicted_speedup"),
                  ("measured/predicted", "measured_over_predicted"), ("loop", loop_speedup),

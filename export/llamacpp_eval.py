@@ -33,7 +33,7 @@ import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
@@ -84,7 +84,8 @@ def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
     tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder), cfg.target.chat_template_kwargs)
     sets = load_sets(e)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
-    cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k)
+    cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k,
+                       choice.p_min, list(e.llamacpp.p_min_sweep))
     done = {c["id"] for c in arm["cells"]}
     todo = [c for c in cells if c["id"] not in done]
     log.info(f"llama.cpp arm: {len(cells)} cells ({len(cells) - len(todo)} already in {results.path}), {threads} "
@@ -93,7 +94,7 @@ def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
         try:
             found = side_by_side(target, drafter.gguf, drafter.spec_type, cell["k"], prompts[cell["set"]],
                                  e.max_new_tokens, cell["temperature"], threads, e.llamacpp.outtype.value, cal,
-                                 log=log.info, raise_inexact=False)
+                                 log=log.info, raise_inexact=False, p_min=cell["p_min"])
         except SpecdrafterError as error:
             raise SpecdrafterError(f"llama.cpp cell {cell['id']}: {error} (the finished cells are kept in "
                                    f"{results.path})") from None
@@ -117,22 +118,25 @@ def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
 
 
 def plan_cells(checkpoint: str, sets: List[str], temperatures: List[float], k: int, k_sweep: List[int],
-               max_k: int) -> List[dict]:
-    """The arm's cells: each set × temperature at the plan's k, then the first set at T = 0 at each swept k."""
+               max_k: int, p_min: float = 0.0, p_min_sweep: Sequence[float] = ()) -> List[dict]:
+    """The arm's cells: each set × temperature at the plan's k (and confidence cut), then the first set at T = 0 at
+    each swept k, and at the longest block with each swept confidence cut."""
     cells: List[dict] = []
 
-    def add(name: str, temperature: float, kk: int, sweep: bool) -> None:
-        cell_id = f"{checkpoint}|{name}|T={float(temperature)}|{ENGINE}|k={kk}"
+    def add(name: str, temperature: float, kk: int, sweep: bool, cut: float = 0.0) -> None:
+        cell_id = f"{checkpoint}|{name}|T={float(temperature)}|{ENGINE}|k={kk}" + (f"|p_min={cut:g}" if cut else "")
         if all(c["id"] != cell_id for c in cells):
             cells.append({"id": cell_id, "checkpoint": checkpoint, "set": name, "temperature": float(temperature),
-                          "k": kk, "sweep": sweep})
+                          "k": kk, "p_min": float(cut), "sweep": sweep})
 
     for name in sets:
         for temperature in temperatures:
-            add(name, temperature, k, False)
+            add(name, temperature, k, False, p_min)
     for kk in k_sweep:
         if kk <= max_k:
             add(sets[0], 0.0, kk, True)
+    for cut in p_min_sweep:
+        add(sets[0], 0.0, max_k, True, cut)
     return cells
 
 
@@ -153,11 +157,13 @@ def both_speedups(data: dict) -> List[str]:
     cells = [c for c in arm.get("cells", []) if not c["sweep"] and c["temperature"] == 0]
     if cells:
         c, choice = cells[0], arm["choice"]
-        lines.append(f"llama.cpp: {c['set']} T=0 k={c['k']}: {c['speedup_median']:.2f}× (range {c['speedup_range']}), "
+        lines.append(f"llama.cpp: {c['set']} T=0 k={c['k']}" + (f" p_min={c['p_min']:g}" if c.get("p_min") else "")
+                     + f": {c['speedup_median']:.2f}× (range {c['speedup_range']}), "
                      f"α {c['alpha']:.3f}, τ {c['tau']:.2f}, predicted {c['predicted_speedup']}×, identical to the "
                      f"target alone {c['identical']}/{c['prompts']}" + (f" ({len(c['departures'])} tie(s))"
                                                                           if c["departures"] else ""))
-        lines.append(f"llama.cpp's plan: k = {choice['k']}, predicted {choice['predicted']:.2f}×: " +
+        cut = f" with p_min {choice['p_min']:g}" if choice.get("p_min") else ""
+        lines.append(f"llama.cpp's plan: k = {choice['k']}{cut}, predicted {choice['predicted']:.2f}×: " +
                      ("serve it with the drafter" if choice["pays"] else
                       "it does not pay here, specdrafter-serve serves the target alone"))
     return lines

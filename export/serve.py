@@ -8,9 +8,11 @@ DRAFTER is a training checkpoint or run (exported to GGUF first, beside it, once
 (converted to GGUF once, into the cache) unless --target-gguf gives one.
 
 Before serving, the drafter is measured in llama.cpp on this machine (eval/llamacpp.py: v(n) with llama-bench, then
-the drafter at n_max = 1 and at the largest block on MT-Bench prompts at T = 0) and the cost model picks k. The
+the drafter at n_max = 1, 2, 3, 4 and at the largest block on MT-Bench prompts at T = 0) and the cost model picks k. The
 measurement is cached under <cache>/llama.cpp/plans/, keyed by the two GGUF files and the thread count: a rerun
-serves at once. When no k is predicted to pay (speedup < 1 + the timing noise), the target is served without the
+serves at once. The plan also measures llama.cpp's confidence cut (--spec-draft-p-min: a step stops drafting where
+the drafter's top probability falls below it) at the largest block, and serves a cut where it beats the best plain k.
+When no k is predicted to pay (speedup < 1 + the timing noise), the target is served without the
 drafter and the reason printed; --k N serves the drafter anyway. llama-server runs in the foreground until Ctrl-C,
 and no server outlives the command (a failed start, Ctrl-C, SIGTERM).
 
@@ -44,6 +46,7 @@ from specdrafter.inference.llama_server import LlamaServer, port_in_use
 
 MAX_K = 8  # the longest chain an EAGLE-3 head or a draft model is planned with
 PLAN_PROMPTS, PLAN_TOKENS = 6, 64  # MT-Bench prompts × tokens each, per calibration arm
+PLAN_VERSION = 2  # part of a cached plan's key: a plan measured another way is measured again (2: c at k = 1..4 and K)
 SPEC_TYPES = {"eagle3": "draft-eagle3"}  # GGUF architecture → --spec-type, beside the block drafters' (see spec_type)
 
 
@@ -136,7 +139,8 @@ def plan_prompts(folder: Optional[Path]) -> List[List[int]]:
 
 def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> Calibration:
     """The drafter's calibration on this machine, cached by the two files and the thread count."""
-    key = llamacpp.files_key([target.resolve(), drafter.gguf.resolve()], f"threads={threads}:{llamacpp.SDIST.version}")
+    key = llamacpp.files_key([target.resolve(), drafter.gguf.resolve()],
+                             f"threads={threads}:{llamacpp.SDIST.version}:plan={PLAN_VERSION}")
     cached = cache_dir() / "llama.cpp" / "plans" / f"{key[:16]}.json"
     if cached.is_file() and not fresh:
         try:
@@ -156,6 +160,10 @@ def advice(cal: Calibration) -> List[str]:
     lines = ["k  tokens/step  c      v(k+1)  predicted"]
     lines += [f"{r['k']:<2} {r['tokens_per_step']:<12} {r['c']:<6} {r['v']:<7} {r['predicted_speedup']}×"
               for r in cal.table()]
+    if cal.cuts:
+        lines += ["", f"with a confidence cut at k = {cal.max_k}: p_min  drafts/step  tokens/step  step cost  predicted"]
+        lines += [f"{'':<39}{c.p_min:<6g} {c.drafts_per_step:<12.2f} {c.tokens_per_step:<12.3f} {c.step_cost:<10.3f} "
+                  f"{c.predicted:.3f}×" for c in cal.cuts]
     return lines
 
 
@@ -174,6 +182,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--target-gguf", type=Path, help="the target as GGUF (default: the recipe's target, converted)")
     p.add_argument("--target-dir", type=Path, help="the target's HF folder, when the recipe's is not on this machine")
     p.add_argument("--k", type=int, help="serve the drafter at this --spec-draft-n-max, whatever the plan says")
+    p.add_argument("--p-min", type=float, default=0.0, help="with --k: llama.cpp's confidence cut "
+                   "(--spec-draft-p-min; 0 drafts k tokens every step)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (1 on a shared machine)")
     p.add_argument("--replan", action="store_true", help="measure again instead of using the cached plan")
@@ -189,6 +199,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 def run(a) -> Optional[Calibration]:
+    if not 0 <= a.p_min < 1 or (a.p_min and a.k is None):
+        raise SpecdrafterError(f"--p-min {a.p_min:g}: a confidence cut in [0, 1), given with --k (without --k the "
+                               "plan chooses both)")
     drafter = resolve_drafter(a.drafter)
     if a.target_dir is not None:
         drafter.target_folder = a.target_dir
@@ -202,14 +215,14 @@ def run(a) -> Optional[Calibration]:
     check_pair(drafter, target)
     if not a.plan_only and port_in_use(a.port):  # before minutes of measuring
         raise SpecdrafterError(f"port {a.port} is in use (another server?): choose another with --port")
-    k, cal = a.k, None
+    k, p_min, cal = a.k, a.p_min, None
     if k is None:
         cal = plan(drafter, target, a.threads, a.replan)
         print("\n".join(advice(cal)))
         choice = cal.choose()
         if choice.pays:
-            k = choice.k
-            print(f"serving with the drafter at --spec-draft-n-max {k}: predicted {choice.predicted:.2f}× over the "
+            k, p_min = choice.k, choice.p_min
+            print(f"serving with the drafter at {choice.flags()}: predicted {choice.predicted:.2f}× over the "
                   "target alone", flush=True)
         else:
             needed = cal.alpha_needed(1 + choice.noise)
@@ -223,7 +236,8 @@ def run(a) -> Optional[Calibration]:
     if k is None:
         serve(LlamaServer(target, threads=a.threads, port=a.port))
     else:
-        serve(LlamaServer(target, drafter.gguf, drafter.spec_type, n_max=k, p_min=0.0, threads=a.threads, port=a.port))
+        serve(LlamaServer(target, drafter.gguf, drafter.spec_type, n_max=k, p_min=p_min, threads=a.threads,
+                          port=a.port))
     return cal
 
 

@@ -30,22 +30,25 @@ def recipe(kind, run, target, *extra):
 
 def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, gguf_target_dir, caplog, tmp_path):
     run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
-    cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[loop,llama.cpp]")
+    cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[loop,llama.cpp]", "eval.llamacpp.p_min_sweep=[0.5]")
     out = evaluate(cfg)
     data = json.loads((out / "results.json").read_text())
     arm = data["llamacpp"]
     assert arm["spec_type"] == "draft-eagle3" and arm["threads"] == 1 and arm["outtype"] == "f32"
     k = arm["choice"]["k"]
     ids = [c["id"] for c in arm["cells"]]
-    assert ids == [c["id"] for c in plan_cells("step-000004", ["mtbench"], [0.0, 1.0], k, [1, 2], arm["max_k"])]
+    assert ids == [c["id"] for c in plan_cells("step-000004", ["mtbench"], [0.0, 1.0], k, [1, 2], arm["max_k"],
+                                               arm["choice"]["p_min"], [0.5])]
+    assert [c["p_min"] for c in arm["calibration"]["cuts"]] == [0.3, 0.5, 0.7]
     for c in arm["cells"]:
-        assert c["drafted"] > 0 and c["tau"] >= 1.0 and 0.0 <= c["alpha"] <= 1.0
+        assert (c["drafted"] > 0 or c["p_min"] > 0) and c["tau"] >= 1.0 and 0.0 <= c["alpha"] <= 1.0
         assert c["predicted_speedup"] > 0 and c["measured_over_predicted"] > 0
         if c["temperature"] == 0:  # identical, or departing only at a tie (else the job would have failed)
             assert c["exact"] and c["identical"] + len(c["departures"]) == 2
     assert len(data["cells"]) > 0  # the loop's cells, in the same results.json
     report = (out / "report.md").read_text()
     assert "## llama.cpp beside our loop (draft-eagle3" in report and "| loop |" in report
+    assert "confidence cut p_min 0.5 at k = 8" in report and "| 8 | 0.5 |" in report  # the swept cut's row
     alone = tmp_path / "llamacpp-only"  # eval.engines=[llama.cpp]: no empty sections of the loop's
     alone.mkdir()
     text = write_report({**data, "cells": [], "baselines": {}}, alone).read_text()
@@ -68,6 +71,19 @@ def test_the_arm_plans_the_chosen_k_per_cell_and_the_sweep_on_the_first_set():
     assert [(c["set"], c["temperature"], c["k"], c["sweep"]) for c in cells] == [
         ("mtbench", 0.0, 3, False), ("mtbench", 1.0, 3, False), ("gsm8k", 0.0, 3, False), ("gsm8k", 1.0, 3, False),
         ("mtbench", 0.0, 1, True)]  # k = 3 at T = 0 is already a cell; 9 is above the drafter's 8
+
+
+def test_confidence_cuts_are_cells_at_the_longest_block_and_the_plan_cell_keeps_its_cut():
+    cells = plan_cells("step-1", ["mtbench", "gsm8k"], [0], 8, [1], 8, 0.5, [0.5, 0.7])
+    assert [(c["set"], c["k"], c["p_min"], c["sweep"]) for c in cells] == [
+        ("mtbench", 8, 0.5, False), ("gsm8k", 8, 0.5, False), ("mtbench", 1, 0.0, True), ("mtbench", 8, 0.7, True)]
+    assert cells[0]["id"].endswith("|k=8|p_min=0.5") and cells[2]["id"].endswith("|k=1")
+
+
+def test_a_confidence_cut_outside_0_1_is_one_line(tmp_path):
+    with pytest.raises(SpecdrafterError, match="p_min_sweep"):
+        load_recipe(REPO / "recipes" / "smollm2-135m-eagle3.yaml", [f"output_dir={tmp_path}",
+                                                                     "eval.llamacpp.p_min_sweep=[1.5]"])
 
 
 def test_the_main_job_refuses_a_bad_override_in_one_line_before_anything_runs(tmp_path):

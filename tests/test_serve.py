@@ -2,6 +2,7 @@
 in llama-server and says when no block length pays, serves until Ctrl-C and leaves no server behind, refuses bad input
 in one line; llama-server with each drafter family decodes as the target alone at T = 0. Needs the llama.cpp build."""
 
+import json
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from transformers import LlamaForCausalLM
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.eval.llamacpp import first_difference, side_by_side
+from specdrafter.eval.llamacpp import Calibration, Cut, first_difference, side_by_side
 from specdrafter.export.serve import main, resolve_drafter
 from specdrafter.inference.llama_server import LlamaServer, ServerDied, free_port
 
@@ -40,6 +41,7 @@ def test_a_random_head_is_measured_and_not_served_since_no_k_pays(capsys, drafte
     out = capsys.readouterr().out
     assert "measuring draft-eagle3 in llama.cpp" in out and "no k pays here" in out
     assert "served without the drafter" in out
+    assert all(f"n_max {k}:" in out for k in (1, 2, 3, 4, 8)) and "n_max 5:" not in out  # c measured where plans pick
     main([str(run), "--plan-only"])
     again = capsys.readouterr().out
     assert "measuring" not in again and "no k pays here" in again
@@ -137,6 +139,37 @@ def test_each_family_decodes_in_llama_server_as_the_target_alone(drafter_run_of,
                        log=lambda _: None)
     assert arm.drafted > 0 and arm.identical + len(arm.departures) == 3
     assert all(d["tie"] for d in arm.departures)
+
+
+def test_c_between_measured_block_lengths_is_on_their_line():
+    cal = Calibration("draft-eagle3", 8, {1: 0.1, 2: 0.25, 3: 0.3, 4: 0.4, 8: 0.8}, [0.5] * 8, {1: 1.0}, 0.02, 50.0,
+                      1, 6, 64)
+    assert [cal.c_at(k) for k in (1, 2, 3, 4)] == [0.1, 0.25, 0.3, 0.4]  # measured, not read off a line
+    assert cal.c_at(6) == pytest.approx(0.6)
+    old = Calibration.from_json({**cal.to_json(), "c": {"1": 0.1, "8": 0.8}})  # a plan measured at 1 and K only
+    assert old.c_at(2) == pytest.approx(0.2) and old.c_at(8) == 0.8
+
+
+def test_the_plan_takes_a_confidence_cut_only_where_it_beats_the_best_k_by_more_than_the_noise():
+    cal = Calibration("draft-eagle3", 8, {1: 0.08, 8: 0.64}, [0.4, 0.16, 0.06, 0.02, 0.01, 0, 0, 0],
+                      {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}, 0.02, 50.0, 1, 6, 64)
+    plain = cal.choose()
+    assert plain.k == 1 and plain.p_min == 0 and plain.flags() == "--spec-draft-n-max 1"
+    assert plain.predicted == pytest.approx(1.4 / 1.18)
+    cal.cuts = [Cut(0.5, 1.0 + 0.1, 0.2, 1.0)]  # drafts little: slower than k = 1
+    assert cal.choose() == plain
+    cal.cuts.append(Cut(0.3, 1.6, 1.1, 1.2))  # 1.33× against 1.19×
+    best = cal.choose()
+    assert (best.k, best.p_min, best.pays) == (8, 0.3, True) and best.predicted == pytest.approx(1.6 / 1.2)
+    assert best.flags() == "--spec-draft-n-max 8 --spec-draft-p-min 0.3"
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))).choose() == best
+    assert cal.step_cost(8, 0.3) == 1.2
+    with pytest.raises(SpecdrafterError, match="no confidence cut at p_min 0.9"):
+        cal.step_cost(8, 0.9)
+
+
+def test_p_min_without_k_is_one_line(capsys, tmp_path):
+    assert "given with --k" in refusal([str(tmp_path), "--p-min", "0.5"])
 
 
 def test_first_difference():
