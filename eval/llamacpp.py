@@ -259,9 +259,11 @@ class Choice:
 
 
 def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Sequence[Sequence[int]],
-              tokens: int = 64, threads: int = 1, costs: Optional[PassCosts] = None, log=print) -> Calibration:
+              tokens: int = 64, threads: int = 1, costs: Optional[PassCosts] = None, log=print,
+              cuts: Sequence[float] = CONFIDENCE_CUTS) -> Calibration:
     """Measure the drafter in llama-server: target-only token time, then the drafter at each n_max of
-    `CALIBRATED_K` up to max_k and at max_k, on `prompts` at T = 0 (one server at a time: llama.cpp's threads spin)."""
+    `CALIBRATED_K` up to max_k and at max_k, and at max_k with each confidence cut of `cuts`, on `prompts` at T = 0
+    (one server at a time: llama.cpp's threads spin)."""
     costs = costs or measure_v(target, range(2, max_k + 2), threads)
     log(f"llama.cpp v(n) for n = 1..{max_k + 1}: " + ", ".join(f"{costs.v[n]:.2f}" for n in sorted(costs.v)))
     with LlamaServer(target, threads=threads) as alone:
@@ -277,17 +279,18 @@ def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Se
         if k == max_k:
             reach = reach_curve(log_text) or [sum(a.accepted for a in runs) / sum(a.steps for a in runs)]
         log(f"  n_max {k}: {step_ms:.1f} ms per step against {target_ms:.1f} ms per target token, c({k}) = {c[k]:.3f}")
-    cuts = []
-    for p_min in CONFIDENCE_CUTS:
+    measured_cuts = []
+    for p_min in cuts:
         with LlamaServer(target, draft, spec_type, n_max=max_k, p_min=p_min, threads=threads) as s:
             runs = [answer(s, p, tokens, ignore_eos=True) for p in prompts]
         steps = sum(a.steps for a in runs)
-        cuts.append(Cut(p_min, 1 + sum(a.accepted for a in runs) / steps, sum(a.drafted for a in runs) / steps,
-                        sum(a.ms for a in runs) / steps / target_ms))
-        log(f"  n_max {max_k}, p_min {p_min:g}: {cuts[-1].drafts_per_step:.2f} drafts and "
-            f"{cuts[-1].tokens_per_step:.2f} tokens per step at {cuts[-1].step_cost:.2f} target steps each")
+        cut = Cut(p_min, 1 + sum(a.accepted for a in runs) / steps, sum(a.drafted for a in runs) / steps,
+                  sum(a.ms for a in runs) / steps / target_ms)
+        measured_cuts.append(cut)
+        log(f"  n_max {max_k}, p_min {p_min:g}: {cut.drafts_per_step:.2f} drafts and {cut.tokens_per_step:.2f} tokens "
+            f"per step at {cut.step_cost:.2f} target steps each")
     return Calibration(spec_type, max_k, c, reach, dict(costs.v), costs.noise, target_ms, threads, len(prompts), tokens,
-                       cuts)
+                       measured_cuts)
 
 
 # --------------------------------------------------------------------------------------- T = 0 identity

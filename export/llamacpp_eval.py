@@ -45,7 +45,7 @@ from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets, run_eval
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
-from specdrafter.export.serve import Drafter, gguf_pair, plan
+from specdrafter.export.serve import Drafter, gguf_pair, has_confidence, plan
 from specdrafter.export.source import target_of
 from specdrafter.jobs.cli import cli
 from specdrafter.kinds import kind_of
@@ -66,7 +66,11 @@ def prepare(cfg: DictConfig):
     if folder is None:
         raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
                                "this machine")
-    return (newest, *gguf_pair(newest.drafter, folder, cfg.eval.llamacpp.outtype.value))
+    drafter, target = gguf_pair(newest.drafter, folder, cfg.eval.llamacpp.outtype.value)
+    if cfg.eval.llamacpp.p_min_sweep and not has_confidence(drafter):
+        raise SpecdrafterError("recipe key 'eval.llamacpp.p_min_sweep': this DSpark drafter has no confidence head to "
+                               "cut by (llama-server takes only --spec-draft-p-min 0 for it); leave it empty")
+    return newest, drafter, target
 
 
 def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:

@@ -38,7 +38,7 @@ from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
-from specdrafter.eval.llamacpp import Calibration, calibrate
+from specdrafter.eval.llamacpp import CONFIDENCE_CUTS, Calibration, calibrate
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, read_gguf
 from specdrafter.export.source import find_source, target_of
@@ -104,6 +104,12 @@ def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
     return out, target_of(src.recipe).folder
 
 
+def has_confidence(drafter: Drafter) -> bool:
+    """Whether llama.cpp can cut this drafter's drafts by confidence: every kind but a DSpark drafter trained
+    without its confidence head (llama-server refuses --spec-draft-p-min > 0 for one)."""
+    return drafter.spec_type != "draft-dspark" or drafter.facts["fields"].get("dflash.has_confidence_head", True)
+
+
 def check_pair(drafter: Drafter, target: Path) -> dict:
     """The target GGUF is the model the drafter was trained for: the same vocabulary, and for a head or a block
     drafter the width of the features it reads. Returns the target's facts."""
@@ -150,7 +156,7 @@ def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> C
     print(f"measuring {drafter.spec_type} in llama.cpp on this machine ({threads} thread(s); cached once done)",
           flush=True)
     found = calibrate(target, drafter.gguf, drafter.spec_type, drafter.max_k, plan_prompts(drafter.target_folder),
-                      PLAN_TOKENS, threads)
+                      PLAN_TOKENS, threads, cuts=CONFIDENCE_CUTS if has_confidence(drafter) else ())
     atomic_write_json(cached, found.to_json())
     return found
 
@@ -208,6 +214,9 @@ def run(a) -> Optional[Calibration]:
     if a.k is not None and not 1 <= a.k <= drafter.max_k:
         raise SpecdrafterError(f"--k {a.k}: this {drafter.spec_type} drafter drafts at most {drafter.max_k} tokens "
                                "a step")
+    if a.p_min and not has_confidence(drafter):
+        raise SpecdrafterError(f"--p-min {a.p_min:g}: this DSpark drafter has no confidence head to cut by (llama-server "
+                               "takes only --spec-draft-p-min 0 for it)")
     if a.target_gguf is None and drafter.target_folder is None:
         raise SpecdrafterError("the drafter's target is not on this machine: give it with --target-gguf (and "
                                "--target-dir for its tokenizer)")

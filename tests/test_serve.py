@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from transformers import LlamaForCausalLM
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.eval.llamacpp import Calibration, Cut, first_difference, side_by_side
-from specdrafter.export.serve import main, resolve_drafter
+from specdrafter.export.serve import has_confidence, main, resolve_drafter
 from specdrafter.inference.llama_server import LlamaServer, ServerDied, free_port
 
 pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
@@ -166,6 +167,17 @@ def test_the_plan_takes_a_confidence_cut_only_where_it_beats_the_best_k_by_more_
     assert cal.step_cost(8, 0.3) == 1.2
     with pytest.raises(SpecdrafterError, match="no confidence cut at p_min 0.9"):
         cal.step_cost(8, 0.9)
+
+
+def test_a_dspark_drafter_without_a_confidence_head_gets_no_cut(capsys, drafter_run_of):
+    """llama-server refuses --spec-draft-p-min > 0 for a DSpark GGUF without a confidence head: the plan measures no
+    cut for one, and --p-min is refused in one line."""
+    run = drafter_run_of("dspark")
+    drafter = resolve_drafter(run)
+    assert drafter.spec_type == "draft-dspark" and has_confidence(drafter)  # ours always has one
+    drafter.facts["fields"]["dflash.has_confidence_head"] = False  # as another trainer's GGUF may say
+    assert not has_confidence(drafter)
+    assert has_confidence(replace(drafter, spec_type="draft-dflash"))  # DFlash cuts by its top probability
 
 
 def test_p_min_without_k_is_one_line(capsys, tmp_path):
