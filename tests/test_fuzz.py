@@ -136,7 +136,7 @@ OUT_OF_RANGE = {
     "inference.asd.budget": [-1], "inference.asd.gate": [-0.5], "inference.asd.max_mismatches": [0],
     "inference.typical.eps": [-0.1], "inference.typical.delta": [-1], "inference.seed": [-1],
     "eval.sets": [[]], "eval.num_prompts": [0], "eval.max_new_tokens": [0], "eval.temperatures": [[], [0, -1]],
-    "eval.repeats": [0], "eval.llamacpp.threads": [0, -1],
+    "eval.repeats": [0], "eval.llamacpp.threads": [0, -1], "eval.llamacpp.p_min_sweep": [[0.5, 1.0], [0]],
     "eval.verifiers": [[]], "eval.k_sweep": [[0, 2]], "eval.asd_sweep": [[[4, 0.25]], [[-1, 0.25, 1]]],
     "scaling.budgets": [[0, 100]], "scaling.compare_budget": [-1], "scaling.tokens_per_conversation": [0],
 }
