@@ -51,11 +51,25 @@ def temp_dir_beside(final: Path) -> Path:
 
 
 def publish_dir(tmp: Path, final: Path) -> Path:
-    """Rename a finished temp folder onto `final` (replacing an old one) so readers see all or nothing."""
-    if final.exists():
-        shutil.rmtree(final)
+    """Rename a finished temp folder onto `final` so readers see all or nothing. An existing `final` is replaced only
+    when it is a folder, which the caller vouches is its own earlier output (export/formats.py checks a user's --out
+    first); a file or a link there is refused, never deleted."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise SpecdrafterError(f"{str(final)!r} is a file, not a folder; nothing was replaced")
     os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-    os.replace(tmp, final)
+    if not final.exists():
+        os.replace(tmp, final)
+        return final
+    # the old folder is moved aside rather than deleted first: `final` is missing only between two renames, a failed
+    # rename puts the old one back, and a process killed in between leaves a temp that remove_stale_temps cleans
+    old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".old.tmp"))
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -123,10 +123,9 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
         raise SpecdrafterError(f"unknown format {fmt!r} (valid: {', '.join(FORMATS)})")
     src = find_source(checkpoint)
     check_kind(src, fmt)
-    if out.exists() and not overwrite:
-        raise SpecdrafterError(f"{str(out)!r} exists; pass --overwrite to replace it")
     if src.drafter.resolve().is_relative_to(out.resolve()):
         raise SpecdrafterError(f"--out {str(out)!r} would replace the checkpoint being exported")
+    check_out(out, overwrite)
     target = target_of(src.recipe)
     check_engine_target(fmt, src.kind.export.family, src.kind.description, target.architectures, eagle_ids(src))
     tmp = temp_dir_beside(out)
@@ -148,10 +147,60 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
             atomic_write_json(tmp / "trainer_state.json", scrub(src.state))
         atomic_write_text(tmp / "README.md", model_card(src, fmt, target, recipe, repo_id or f"./{out.name}", tmp))
         check_no_leaks(tmp, [tmp, out.resolve().parent, src.drafter.resolve(), Path.cwd(), Path.home()])
+        check_out(out, overwrite)  # again: a user may have put files into --out while the export was written
         return publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+CARD_MARK = "Trained with specdrafter (drafter kind `"  # a line every model card (README.md) has had
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """--out may be new, or (with --overwrite) an earlier export, which is then replaced whole. Anything else there,
+    a file or a folder holding files no export wrote, is refused in one line and left as it is."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise SpecdrafterError(f"--out {str(out)!r} is a file, not a folder; choose another --out")
+    if not out.exists():
+        return
+    foreign = not_exported(out)
+    if foreign:
+        raise SpecdrafterError(f"{str(out)!r} is not an export folder specdrafter wrote (it holds {foreign}); choose "
+                               "another --out or remove it yourself")
+    if not overwrite:
+        raise SpecdrafterError(f"{str(out)!r} exists; pass --overwrite to replace it")
+
+
+def not_exported(folder: Path) -> str:
+    """What in `folder` no export wrote ("" if nothing: an empty folder, or an earlier export as it was written).
+    An export is recognised by its model card, whose Files section lists every file the export wrote, so a file a
+    user added to an export folder is found too. Exports of every earlier version have this card."""
+    listed = card_files(folder / "README.md")
+    if listed is None:  # only the top level is named: --out might be a large folder such as a home directory
+        return described(sorted(p.name for p in folder.iterdir()))
+    parents = {parent.as_posix() for name in listed for parent in Path(name).parents}
+    entries = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+    return described([e for e in entries if e not in listed and e not in parents])
+
+
+def described(names: List[str], shown: int = 3) -> str:
+    """The first few of `names` (relative paths), the contents of a folder among them left out (it is named)."""
+    named = set(names)
+    tops = [n for n in names if not any(p.as_posix() in named for p in Path(n).parents)]
+    return ", ".join(tops[:shown]) + ("…" if len(tops) > shown else "")
+
+
+def card_files(card: Path) -> Optional[set]:
+    """The files a specdrafter model card lists in its Files section, or None if `card` is not such a card."""
+    try:
+        text = card.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if CARD_MARK not in text or "\n## Files\n" not in text:
+        return None
+    section = text.split("\n## Files\n", 1)[1].strip("\n").split("\n\n", 1)[0]
+    return set(re.findall(r"^- `(.+)`$", section, re.M))
 
 
 def eagle_ids(src: Source) -> Optional[List[int]]:

@@ -502,15 +502,47 @@ def test_bad_input_is_refused_in_one_line(tmp_path, checkpoint):
     with pytest.raises(SpecdrafterError, match="would replace the checkpoint"):
         export(eagle, "vllm", eagle, overwrite=True)
 
-    out = tmp_path / "o"
-    out.mkdir()
-    (out / "old.txt").write_text("from an earlier export")
+    out = export(eagle, "sglang", tmp_path / "o")
     with pytest.raises(SpecdrafterError, match="exists; pass --overwrite"):
         export(eagle / "drafter", "vllm", out)  # a checkpoint's drafter/ folder is accepted too
-    assert (out / "old.txt").exists()
-    export(eagle / "drafter", "vllm", out, overwrite=True)
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
-    assert "training step 4" in (out / "README.md").read_text()
+    assert "exported as `sglang`" in (out / "README.md").read_text()
+    export(eagle / "drafter", "vllm", out, overwrite=True)  # an earlier export is replaced whole
+    assert (out / "model.safetensors").is_file() and "exported as `vllm`" in (out / "README.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "o"]  # no temp folder left beside it
+
+
+def test_overwrite_replaces_only_an_export_and_never_a_users_files(tmp_path, checkpoint):
+    """Issue 54: --overwrite deleted whatever --out named (a user's folder), and a file as --out was a traceback."""
+    _, eagle, _ = checkpoint("eagle3")
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("my notes")
+    (mine / "sub" / "data.csv").write_text("1,2")
+    before = fingerprint(mine)
+    with pytest.raises(SpecdrafterError, match=r"'.*mine' is not an export folder specdrafter wrote \(it holds "
+                                               r"notes.txt, sub\); choose another --out or remove it yourself"):
+        export(eagle, "vllm", mine, overwrite=True)
+    assert fingerprint(mine) == before and (mine / "sub").is_dir()
+
+    out = export(eagle, "vllm", tmp_path / "o")
+    (out / "sub").mkdir()
+    (out / "sub" / "notes.txt").write_text("added to an export by hand")
+    with pytest.raises(SpecdrafterError, match=r"is not an export folder specdrafter wrote \(it holds sub\)"):
+        export(eagle, "sglang", out, overwrite=True)
+    assert (out / "sub" / "notes.txt").is_file()
+    shutil.rmtree(out / "sub")
+    export(eagle, "sglang", out, overwrite=True)
+    assert "exported as `sglang`" in (out / "README.md").read_text()
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    done = subprocess.run([sys.executable, "launch/export.py", str(eagle), "--format", "vllm", "--out", str(a_file),
+                           "--overwrite"], cwd=REPO, capture_output=True, text=True, env={**os.environ,
+                           "OMP_NUM_THREADS": "1"}, check=False)
+    assert done.returncode == 1 and done.stderr.strip() == (f"error: --out {str(a_file)!r} is a file, not a folder; "
+                                                            "choose another --out")
+    assert a_file.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine", "o"]  # no temp folder left beside them
 
 
 def fingerprint(folder: Path) -> dict:
