@@ -1,14 +1,17 @@
-"""The speculative generation loop (batch size 1): draft → verify → commit → roll back both caches.
+"""The speculative generation loops (batch size 1): draft → verify → commit → roll back both caches.
 
 Target cache invariant: it holds every committed token except the newest one. Each cycle feeds
 [newest_committed, d_1, ..., d_k] so row i-1 scores d_i and row k is the bonus row (docs/algorithms.md §Conventions).
+
+The loops only decode. What else a cycle is used for — its timings, the TV audit, the tuners' learning — happens in
+one `CycleObserver` the loop calls once per cycle with what the cycle did.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,8 +19,8 @@ from transformers import DynamicCache
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import ASDConfig
-from specdrafter.inference.autotune import BlockLengthTuner
-from specdrafter.inference.proposers import Proposer, TreeProposer, device_of
+from specdrafter.inference.autotune import BlockLengthTuner, TreeSizeTuner
+from specdrafter.inference.proposers import Proposal, Proposer, TreeProposer, device_of
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
 from specdrafter.inference.tree import TreeShape, tree_allowed, tree_positions
 from specdrafter.inference.verify import (
@@ -84,72 +87,183 @@ def alpha_per_token(cycles: List[CycleStats]) -> float:
     return acceptance_rate(sum(c.accepted for c in cycles), positions_tried(cycles))
 
 
+# ------------------------------------------------------------------------------------------ one request
+@dataclass(frozen=True)
+class Request:
+    """One decoding request as the loops take it: the prompt, how many new tokens at most, the tokens that end it."""
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    eos: frozenset = frozenset()
+
+
+class Laps:
+    """The clock of one cycle: `mark()` where each phase (draft, target pass, acceptance rule) ends."""
+
+    def __init__(self):
+        self.marks = [time.perf_counter()]
+
+    def mark(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def seconds(self) -> List[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+@dataclass
+class Cycle:
+    """What one cycle did, as the observer sees it once the cycle is committed."""
+    drafted: int  # draft tokens the target verified: k for a chain, the tree's depth for a tree
+    accepted: int  # draft tokens accepted
+    size: int  # tokens in the target pass
+    laps: Laps  # draft, target pass, acceptance rule
+    proposal: Optional[Proposal] = None  # the chain's drafts (None for a tree)
+    logits: Optional[torch.Tensor] = None  # the chain's target logits [k+1, V]
+    shape: Optional[TreeShape] = None  # the verified tree (None for a chain)
+    accepted_nodes: Sequence[int] = ()  # the tree's accepted path (root excluded)
+
+
+class CycleObserver:
+    """Everything a decoding cycle is used for besides decoding: its statistics and timings (`stats`), the
+    block-length or tree-size tuner's learning, and the α = 1 − D_TV audit (`params` given: D_TV(p, q) recorded at
+    every chain position the verifier tried; costs time, which `tv_s` reports apart)."""
+
+    def __init__(self, tuner: Optional[BlockLengthTuner] = None, sizer: Optional[TreeSizeTuner] = None,
+                 tree_probs: Optional[Callable[[], torch.Tensor]] = None, audit: Optional[SamplingParams] = None):
+        self.tuner, self.sizer, self.tree_probs, self.audit = tuner, sizer, tree_probs, audit
+        self.stats: List[CycleStats] = []
+
+    def __call__(self, cycle: Cycle) -> None:
+        draft_s, pass_s, rule_s = cycle.laps.seconds()
+        stats = CycleStats(cycle.drafted, cycle.accepted, draft_s, pass_s + rule_s, rule_s, size=cycle.size)
+        self.stats.append(stats)
+        if self.tuner is not None:
+            self.tuner.update(cycle.drafted, cycle.accepted, draft_s)
+        if self.sizer is not None:
+            self.sizer.update(cycle.shape.parents, self.tree_probs(), cycle.accepted_nodes, draft_s)
+        if self.audit is not None:
+            start = time.perf_counter()
+            stats.tv = drafted_tv(cycle.proposal, cycle.logits, min(cycle.accepted + 1, cycle.drafted), self.audit)
+            stats.tv_s = time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------- the chain loop
 @torch.no_grad()
 def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                         params: SamplingParams = SamplingParams(0.0), k: Union[int, BlockLengthTuner] = 4,
+                         params: SamplingParams = SamplingParams(0.0), k: int = 4,
                          eos_token_ids: Sequence[int] = (), asd: Optional[ASDConfig] = None,
-                         generator: Optional[torch.Generator] = None, record_tv: bool = False) -> GenerationResult:
+                         generator: Optional[torch.Generator] = None, record_tv: bool = False,
+                         tuner: Optional[BlockLengthTuner] = None) -> GenerationResult:
     """Decode up to `max_new_tokens` after `prompt_ids`, drafting k tokens per cycle with `proposer`.
 
     Greedy (params.temperature == 0) uses `verify_greedy` (or `verify_asd` when `asd` is given); otherwise
     exact speculative sampling, so the output is distributed exactly as the target's own sampling.
     `record_tv` stores D_TV(p, q) of every position the verifier tried (an audit of α = 1 − D_TV; costs time).
-    `k` may be a `BlockLengthTuner` (inference/autotune.py): it then picks the block length of every cycle from the
-    cycles before it (calibrating the target's v(n) on this prompt the first time) and learns from each one.
+    With a `tuner` (a BlockLengthTuner, inference/autotune.py) the block length of every cycle is the tuner's choice
+    from the cycles before it (it calibrates the target's v(n) on this prompt the first time), and `k` is unused.
     """
     check_request(target, prompt_ids, max_new_tokens)
-    tuner = k if isinstance(k, BlockLengthTuner) else None
-    if tuner is None and k < 1:
-        raise SpecdrafterError(f"block length k must be >= 1, got {k}")
+    if tuner is None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise SpecdrafterError(f"block length k must be an integer >= 1, got {k!r}")
     for model in (tuner, proposer.confidence_length):  # v(n) for k = auto, a block drafter's length
         if model is not None and not model.calibrated:
             model.calibrate(target, prompt_ids)
     if asd is not None and not params.greedy:
         raise SpecdrafterError("ASD is defined for greedy decoding only (temperature 0)")
-    taps = proposer.feature_layers  # EAGLE / Medusa read target features; draft models do not
-    with capture_features(target, taps) as features:
-        return _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, k, eos_token_ids, asd, generator,
-                           features if taps else None, record_tv and asd is None)
-
-
-def _chain_loop(target, proposer, prompt_ids, max_new_tokens, params, block, eos_token_ids, asd, generator,
-                features, record_tv=False) -> GenerationResult:
-    tuner = block if isinstance(block, BlockLengthTuner) else None
-    committed, cache = _prefill(target, prompt_ids, max_new_tokens + (tuner.max_k if tuner else block))
-    proposer.reset()
-    _observe(proposer, features, slice(None))
-    ledger = RegretLedger(asd.budget) if asd else None
-    result = GenerationResult([])
-    eos = set(eos_token_ids)
-    done = False
-    while not done:
-        k = tuner.choose() if tuner else block  # from past cycles only: exactness holds for any k
-        t0 = time.perf_counter()
-        proposal = proposer.propose(committed, k, params, generator)
-        t1 = time.perf_counter()
-        k = len(proposal.tokens)  # a proposer may draft fewer (a block drafter's confidence-sized length)
-        ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
-        saved = snapshot(cache)  # a recurrent layer's state before the pass (None for attention-only targets)
-        logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0].cpu()  # [k+1, V], verified on the CPU
-        t_logits = time.perf_counter()
-        verdict = _verify(proposal, logits, params, ledger, asd, generator,
-                          room=max_new_tokens - len(result.tokens), eos=eos)
-        t2 = time.perf_counter()
-        new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
-        rollback(target, cache, ids, verdict.num_accepted + 1, saved)  # rollback: keep newest_committed + accepted
-        proposer.rollback(len(committed) + len(new))
-        _observe(proposer, features, slice(0, verdict.num_accepted + 1))  # target features of the kept rows
-        result.cycles.append(CycleStats(k, verdict.num_accepted, t1 - t0, t2 - t1, t2 - t_logits, size=k + 1))
-        if tuner:
-            tuner.update(k, verdict.num_accepted, t1 - t0)
-        if record_tv:
-            result.cycles[-1].tv = drafted_tv(proposal, logits, min(verdict.num_accepted + 1, k), params)
-            result.cycles[-1].tv_s = time.perf_counter() - t2
-        done = _commit(new, committed, result, eos, max_new_tokens)
-    result.asd_regret = ledger.spent if ledger else 0.0
+    request = Request(prompt_ids, max_new_tokens, frozenset(eos_token_ids))
+    rule = ChainRule(params, generator, RegretLedger(asd.budget) if asd else None, asd)
+    lengths = BlockLength(k, tuner)
+    observer = CycleObserver(tuner, audit=params if record_tv and asd is None else None)
+    with capture_features(target, proposer.feature_layers) as features:  # EAGLE / Medusa read target features
+        result = _chain_loop(target, Drafter(proposer, features), request, rule, lengths, observer)
+    result.cycles, result.asd_regret = observer.stats, rule.regret
     return result
 
 
+def _chain_loop(target, drafter: "Drafter", request: Request, rule: "ChainRule", lengths: "BlockLength",
+                observe: CycleObserver) -> GenerationResult:
+    committed, cache = _prefill(target, request.prompt_ids, request.max_new_tokens + lengths.max_k)
+    drafter.start()
+    result, done = GenerationResult([]), False
+    while not done:
+        k = lengths.choose()  # from past cycles only: exactness holds for any k
+        laps = Laps()
+        proposal = drafter.proposer.propose(committed, k, rule.params, rule.generator)
+        laps.mark()
+        ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
+        saved = snapshot(cache)  # a recurrent layer's state before the pass (None for attention-only targets)
+        logits = target(input_ids=ids, cache=cache, use_cache=True).logits[0].cpu()  # [k+1, V], verified on the CPU
+        laps.mark()
+        verdict = rule(proposal, logits, room=request.max_new_tokens - len(result.tokens), eos=request.eos)
+        laps.mark()
+        kept = range(verdict.num_accepted + 1)  # newest_committed + the accepted drafts
+        rollback(target, cache, ids, kept, saved)  # rollback: the target cache drops the rejected drafts
+        new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
+        drafter.advance(len(committed) + len(new), kept)
+        observe(Cycle(len(proposal.tokens), verdict.num_accepted, ids.shape[1], laps, proposal, logits))
+        done = _commit(new, committed, result, request)
+    return result
+
+
+@dataclass
+class Drafter:
+    """The proposer and the target features it reads (captured by the target's pass; None when it reads none)."""
+    proposer: Proposer
+    features: Optional[Dict[int, torch.Tensor]]
+
+    def start(self) -> None:
+        """A new request: the proposer forgets the last one and reads the prompt's features."""
+        self.proposer.reset()
+        self._observe(slice(None))
+
+    def advance(self, num_committed: int, kept) -> None:
+        """After a verdict: the proposer drops what was rejected and reads the target features of the kept rows."""
+        self.proposer.rollback(num_committed)  # rollback: the drafter's own state beyond the committed prefix
+        self._observe(list(kept))
+
+    def _observe(self, rows) -> None:
+        if self.features:  # empty when the proposer reads no features, or a 1-token prompt needed no prefill pass
+            self.proposer.observe({k: h[0, rows] for k, h in self.features.items()})
+            self.features.clear()
+
+
+@dataclass
+class BlockLength:
+    """The chain's k each cycle: fixed, or the tuner's choice from the cycles before (never from this one's drafts)."""
+    k: int
+    tuner: Optional[BlockLengthTuner] = None
+
+    @property
+    def max_k(self) -> int:
+        return self.tuner.max_k if self.tuner else self.k
+
+    def choose(self) -> int:
+        return self.tuner.choose() if self.tuner else self.k
+
+
+@dataclass
+class ChainRule:
+    """The chain's acceptance rule: greedy, exact speculative sampling, or ASD with the request's regret ledger."""
+    params: SamplingParams
+    generator: Optional[torch.Generator] = None
+    ledger: Optional[RegretLedger] = None  # ASD only
+    asd: Optional[ASDConfig] = None
+
+    @property
+    def regret(self) -> float:
+        return self.ledger.spent if self.ledger else 0.0
+
+    def __call__(self, proposal: Proposal, logits: torch.Tensor, room: int, eos: frozenset) -> Verdict:
+        if self.asd is not None:  # only drafts that can still be emitted may spend the budget: none past room or EOS
+            usable = min(len(proposal.tokens), room)
+            usable = next((i + 1 for i, x in enumerate(proposal.tokens[:usable].tolist()) if x in eos), usable)
+            return verify_asd(proposal.tokens[:usable], logits[:usable + 1], self.ledger, self.asd.gate,
+                              self.asd.max_mismatches)
+        if self.params.greedy:
+            return verify_greedy(proposal.tokens, logits)
+        return verify_sampling(proposal.tokens, proposal.probs, sampling_probs(logits, self.params), self.generator)
+
+
+# ---------------------------------------------------------------------------------------- the tree loop
 TreeAcceptance = Callable[[TreeShape, torch.Tensor, torch.Tensor], Tuple[List[int], int]]
 """An acceptance rule for one verified tree: (shape, node tokens [N+1], the target's logits [N+1, V]) → (the accepted
 nodes, root excluded, root-to-leaf; the token that follows them: the correction or the bonus)."""
@@ -162,7 +276,7 @@ def exact_tree_acceptance(params: SamplingParams, generator: Optional[torch.Gene
         if params.greedy:
             verdict = verify_tree_greedy(shape.parents, tokens, logits)
         else:
-            verdict = verify_tree_sampling(shape.parents, tokens, sampling_probs(logits, params), None, "topk", generator)
+            verdict = verify_tree_sampling(shape.parents, tokens, sampling_probs(logits, params), generator)
         return verdict.accepted_nodes, verdict.next_token
     return accept
 
@@ -172,48 +286,45 @@ def tree_speculative_generate(target: nn.Module, proposer: TreeProposer, prompt_
                               params: SamplingParams = SamplingParams(0.0),
                               eos_token_ids: Sequence[int] = (),
                               generator: Optional[torch.Generator] = None,
-                              accept: Optional[TreeAcceptance] = None) -> GenerationResult:
+                              accept: Optional[TreeAcceptance] = None,
+                              sizer: Optional[TreeSizeTuner] = None) -> GenerationResult:
     """Like `speculative_generate`, but each cycle verifies a whole draft tree in one target pass (tree
     attention). The proposer returns a static or a dynamic (EAGLE-2) tree each cycle; its children are chosen
     deterministically by the draft, so T > 0 uses the exact deterministic-top-k rule. `accept` replaces that rule
-    (Medusa's typical acceptance: inference/medusa.py:typical_generate)."""
+    (Medusa's typical acceptance: inference/medusa.py:typical_generate). A `sizer` (TreeSizeTuner) decides how much
+    of each dynamic tree is verified, from the cycles before, and learns from each one."""
     check_request(target, prompt_ids, max_new_tokens)
     check_tree_target(target.config)
-    tuner = proposer.tree_size  # a TreeSizeTuner picks how much of each drafted tree to verify
-    if tuner is not None and not tuner.calibrated:
-        tuner.calibrate(target, prompt_ids)
-    taps = proposer.feature_layers
-    with capture_features(target, taps) as features:
-        return _tree_loop(target, proposer, prompt_ids, max_new_tokens, accept or exact_tree_acceptance(params, generator),
-                          eos_token_ids, features if taps else None)
+    if sizer is not None and not sizer.calibrated:
+        sizer.calibrate(target, prompt_ids)
+    request = Request(prompt_ids, max_new_tokens, frozenset(eos_token_ids))
+    observer = CycleObserver(sizer=sizer, tree_probs=lambda: proposer.node_probs)
+    with capture_features(target, proposer.feature_layers) as features:
+        result = _tree_loop(target, Drafter(proposer, features), request, accept or exact_tree_acceptance(params, generator),
+                            sizer, observer)
+    result.cycles = observer.stats
+    return result
 
 
-def _tree_loop(target, proposer: TreeProposer, prompt_ids, max_new_tokens, accept: TreeAcceptance, eos_token_ids,
-               features) -> GenerationResult:
-    committed, cache = _prefill(target, prompt_ids, max_new_tokens + proposer.max_tree_size)
-    proposer.reset()
-    _observe(proposer, features, slice(None))
-    result, eos, done = GenerationResult([]), set(eos_token_ids), False
+def _tree_loop(target, drafter: Drafter, request: Request, accept: TreeAcceptance, sizer: Optional[TreeSizeTuner],
+               observe: CycleObserver) -> GenerationResult:
+    committed, cache = _prefill(target, request.prompt_ids, request.max_new_tokens + drafter.proposer.max_tree_size)
+    drafter.start()
+    result, done = GenerationResult([]), False
     while not done:
-        t0 = time.perf_counter()
-        shape, tokens = proposer.propose_tree(committed)  # tokens: [N+1]
-        t1 = time.perf_counter()
-        past = len(committed) - 1
-        logits = tree_pass(target, cache, shape, tokens, past)  # [N+1, V]
-        t_logits = time.perf_counter()
+        laps = Laps()
+        shape, tokens = drafter.proposer.propose_tree(committed, sizer)  # tokens: [N+1]
+        laps.mark()
+        logits = tree_pass(target, cache, shape, tokens, past=len(committed) - 1)  # [N+1, V]
+        laps.mark()
         accepted, next_token = accept(shape, tokens, logits)
-        t2 = time.perf_counter()
-        keep = [0] + accepted  # tree slots to keep: the root and the accepted path
-        compact_cache(cache, [past + j for j in keep], past)
-        cache.crop(-(shape.size - len(keep)))  # rollback: drop the rejected branches
+        laps.mark()
+        kept = [0] + accepted  # tree slots to keep: the root and the accepted path
+        rollback(target, cache, tokens[None], kept, None)  # rollback: the target cache drops the rejected branches
         new = [int(tokens[j]) for j in accepted] + [next_token]
-        proposer.rollback(len(committed) + len(new))
-        _observe(proposer, features, keep)  # target features of the root and the accepted path
-        result.cycles.append(CycleStats(max(shape.depths), len(accepted), t1 - t0, t2 - t1, t2 - t_logits,
-                                        size=shape.size))
-        if proposer.tree_size is not None:
-            proposer.tree_size.update(shape.parents, proposer.node_probs, accepted, t1 - t0)
-        done = _commit(new, committed, result, eos, max_new_tokens)
+        drafter.advance(len(committed) + len(new), kept)
+        observe(Cycle(max(shape.depths), len(accepted), shape.size, laps, shape=shape, accepted_nodes=accepted))
+        done = _commit(new, committed, result, request)
     return result
 
 
@@ -229,6 +340,7 @@ def tree_pass(target: nn.Module, cache: DynamicCache, shape, tokens: torch.Tenso
                   position_ids=positions.to(device)).logits[0].cpu()
 
 
+# ------------------------------------------------------------------------------------ shared by both loops
 def check_request(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
     """What a decoding loop is given, checked where it enters (one SpecdrafterError, never a hang or torch's
     IndexError): at least one new token to decode, a non-empty prompt of token ids the target's embedding has."""
@@ -246,8 +358,8 @@ def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[L
     """Check the prompt fits with `room` more positions, and fill the target cache with all but its newest token."""
     context = getattr(target.config, "max_position_embeddings", None)
     if context and len(prompt_ids) + room > context:
-        raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens exceeds the target's context of "
-                               f"{context} tokens")
+        raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens + one draft block or tree "
+                              f"({len(prompt_ids)} + {room} positions) exceeds the target's context of {context} tokens")
     committed, cache = list(prompt_ids), new_cache(target)
     if len(committed) > 1:
         target(input_ids=torch.tensor([committed[:-1]], device=device_of(target)), cache=cache, use_cache=True,
@@ -255,29 +367,14 @@ def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[L
     return committed, cache
 
 
-def _observe(proposer, features: Optional[Dict[int, torch.Tensor]], rows) -> None:
-    """Hand the proposer the target features [n, d] of the rows just committed (after prefill: the prompt)."""
-    if features:  # empty when the proposer reads no features, or a 1-token prompt needed no prefill pass
-        proposer.observe({k: h[0, rows] for k, h in features.items()})
-        features.clear()
-
-
-def _commit(new: List[int], committed: List[int], result: GenerationResult, eos: set, max_new_tokens: int) -> bool:
+def _commit(new: List[int], committed: List[int], result: GenerationResult, request: Request) -> bool:
     """Append a verdict's tokens; True once EOS or max_new_tokens is reached (later tokens are dropped)."""
     for token in new:
         committed.append(token)
         result.tokens.append(token)
-        if token in eos or len(result.tokens) == max_new_tokens:
+        if token in request.eos or len(result.tokens) == request.max_new_tokens:
             return True
     return False
-
-
-def compact_cache(cache: DynamicCache, slots: List[int], start: int) -> None:
-    """Move the KV entries at `slots` to contiguous positions start, start+1, ... in every layer."""
-    index = torch.tensor(slots, device=cache.layers[0].keys.device)
-    for layer in cache.layers:
-        layer.keys[:, :, start:start + len(slots)] = layer.keys[:, :, index]  # [B, H, n, D]
-        layer.values[:, :, start:start + len(slots)] = layer.values[:, :, index]
 
 
 def drafted_tv(proposal, logits: torch.Tensor, tried: int, params: SamplingParams) -> List[float]:
@@ -289,13 +386,3 @@ def drafted_tv(proposal, logits: torch.Tensor, tried: int, params: SamplingParam
     else:
         q = proposal.probs[:tried].to(p.dtype)
     return (0.5 * (p - q).abs().sum(-1)).tolist()
-
-
-def _verify(proposal, logits, params, ledger, asd, generator, room: int, eos: set) -> Verdict:
-    if asd is not None:  # only drafts that can still be emitted may spend the budget: none past max_new_tokens or EOS
-        usable = min(len(proposal.tokens), room)
-        usable = next((i + 1 for i, x in enumerate(proposal.tokens[:usable].tolist()) if x in eos), usable)
-        return verify_asd(proposal.tokens[:usable], logits[:usable + 1], ledger, asd.gate, asd.max_mismatches)
-    if params.greedy:
-        return verify_greedy(proposal.tokens, logits)
-    return verify_sampling(proposal.tokens, proposal.probs, sampling_probs(logits, params), generator)

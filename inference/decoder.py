@@ -6,7 +6,7 @@ The three tuners, one name each (inference/autotune.py):
     block_length       BlockLengthTuner   the chain's k every cycle (inference.k = auto); the decoder's own
     confidence_length  ConfidenceLength   how many of a block drafter's drafts to verify (the proposer's)
     tree_size          TreeSizeTuner      how much of each dynamic tree to verify (dynamic_tree.auto_size); the
-                                          decoder's own, lent to its tree proposer for each request
+                                          decoder's own, handed to the tree loop with each request
 """
 
 from __future__ import annotations
@@ -63,14 +63,13 @@ class Decoder:
 
     def __call__(self, prompt: Sequence[int], generator: Optional[torch.Generator] = None) -> GenerationResult:
         if self.tree:
-            self.proposer.tree_size = self.tree_size  # this stream's tuner sizes the trees the proposer drafts
             if self.typical is not None:
                 return typical_generate(self.target, self.proposer, prompt, self.max_new_tokens, self.params.temperature,
                                         self.typical.eps, self.typical.delta, self.eos, generator)
             return tree_speculative_generate(self.target, self.proposer, prompt, self.max_new_tokens, self.params,
-                                             self.eos, generator)
-        return speculative_generate(self.target, self.proposer, prompt, self.max_new_tokens, self.params,
-                                    self.block_length or self.k, self.eos, self.asd, generator, self.record_tv)
+                                             self.eos, generator, sizer=self.tree_size)
+        return speculative_generate(self.target, self.proposer, prompt, self.max_new_tokens, self.params, self.k,
+                                    self.eos, self.asd, generator, self.record_tv, tuner=self.block_length)
 
 
 def build_decoder(inference: DictConfig, target: nn.Module, proposer: Proposer, eos: Sequence[int],

@@ -105,8 +105,7 @@ class EagleTreeProposer(EagleProposer):
     returning, so the cache again holds only the `cached` committed pairs.
     """
 
-    def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60,
-                 tree_size: Optional[TreeSizeTuner] = None):
+    def __init__(self, head: Eagle3Head, target, depth: int = 5, top_k: int = 8, total_tokens: int = 60):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
         if top_k > len(head.d2t):
@@ -114,11 +113,10 @@ class EagleTreeProposer(EagleProposer):
                                    f"({len(head.d2t)} tokens)")
         super().__init__(head, target)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.tree_size = tree_size  # verify only as many of the total_tokens candidates as pay (None: all)
         self.max_tree_size = total_tokens + 1
 
     @torch.no_grad()
-    def propose_tree(self, committed: list[int]) -> tuple[TreeShape, torch.Tensor]:
+    def propose_tree(self, committed: list[int], sizer: Optional[TreeSizeTuner] = None) -> tuple[TreeShape, torch.Tensor]:
         """The tree's shape and node tokens [N+1] (target ids; node 0 = the newest committed token)."""
         hidden = self.feed_pending(committed)[0]  # [1, d] predicts the depth-1 children
         past = self.cached  # committed pairs in the cache; depth-d nodes sit at position past + d − 1
@@ -134,9 +132,9 @@ class EagleTreeProposer(EagleProposer):
             outputs.update(zip(frontier, out[0]))
             return self.head.logits(out[0]).log_softmax(-1)  # [F, Vd]
 
-        levels = self.tree_size.draft_depth(self.depth) if self.tree_size is not None else self.depth
+        levels = sizer.draft_depth(self.depth) if sizer is not None else self.depth
         root_logp = self.head.logits(hidden).log_softmax(-1)  # [1, Vd]
         candidates, fed = grow_dynamic_tree(root_logp, levels, self.top_k, feed_frontier)
         self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the `cached` committed pairs
-        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tree_size)
+        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, sizer)
         return shape, torch.tensor([committed[-1]] + draft_ids[[candidates[c].token for c in keep]].tolist())

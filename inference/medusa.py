@@ -84,9 +84,7 @@ class MedusaProposer:
 class MedusaTreeProposer(MedusaProposer):
     """Static Medusa tree: the node with choice path (c_1, ..., c_d) holds the c_d-th most likely token of head
     d - 1 (whatever its parent). Children are deterministic top-k choices, so T > 0 is exact with
-    `verify_tree_sampling(mode="topk")`; `typical_generate` verifies the same tree with typical acceptance."""
-
-    tree_size = None  # a static tree is verified whole
+    `verify_tree_sampling`; `typical_generate` verifies the same tree with typical acceptance."""
 
     def __init__(self, heads: MedusaHeads, target, shape: TreeShape):
         super().__init__(heads, target)
@@ -98,8 +96,9 @@ class MedusaTreeProposer(MedusaProposer):
         self.shape, self.width, self.max_tree_size = shape, width, shape.size
 
     @torch.no_grad()
-    def propose_tree(self, committed: list[int]) -> tuple[TreeShape, torch.Tensor]:
-        """The tree's shape and node tokens [N+1] (node 0 = the newest committed token)."""
+    def propose_tree(self, committed: list[int], sizer=None) -> tuple[TreeShape, torch.Tensor]:
+        """The tree's shape and node tokens [N+1] (node 0 = the newest committed token); a static tree is verified
+        whole, whatever `sizer`."""
         ranked = self.head_logits().topk(self.width, dim=-1).indices  # [H, width] each head's best tokens first
         tokens = [committed[-1]] + [int(ranked[len(c) - 1, c[-1]]) for c in self.shape.choices[1:]]
         return self.shape, torch.tensor(tokens)

@@ -55,11 +55,11 @@ class TreeProposer(Proposer, Protocol):
     """What the tree loop (inference/decode.py:tree_speculative_generate) asks of a drafter, besides a Proposer's."""
 
     max_tree_size: int  # nodes of the largest tree it drafts, root included (the cache room the loop reserves)
-    tree_size: Optional[TreeSizeTuner]  # sizes each dynamic tree (inference/decoder.py lends it); None: verify all
-    node_probs: torch.Tensor  # [N+1] each node's draft probability in the last tree (read by the tuner)
+    node_probs: torch.Tensor  # [N+1] each node's draft probability in the last tree (read by the tree-size tuner)
 
-    def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
-        """The tree's shape and its node tokens [N+1] (node 0 = the newest committed token)."""
+    def propose_tree(self, committed: List[int], sizer: Optional[TreeSizeTuner] = None) -> Tuple[TreeShape, torch.Tensor]:
+        """The tree's shape and its node tokens [N+1] (node 0 = the newest committed token). A dynamic tree is cut to
+        what `sizer` (the decoder's TreeSizeTuner) finds worth verifying; None, or a static tree: all of it."""
 
 
 class DraftModelProposer:
@@ -139,13 +139,12 @@ def check_vocabularies(target: nn.Module, draft: nn.Module) -> None:
 
 class DraftModelTreeProposer(DraftModelProposer):
     """Drafts a static tree with a draft model: the child of rank r is the draft's r-th most likely token at its
-    parent (deterministic top-k children, verified exactly with `verify_tree_sampling(mode="topk")`).
+    parent (deterministic top-k children, verified exactly with `verify_tree_sampling`).
 
     Levels are fed to the draft one at a time with tree attention; afterwards the draft cache is cropped back to
     the committed prefix, so the accepted path is re-fed at the next cycle like any committed token.
     """
 
-    tree_size = None  # a static tree is verified whole
 
     def __init__(self, model: nn.Module, shape: TreeShape):
         check_tree_draft(model.config)
@@ -154,7 +153,7 @@ class DraftModelTreeProposer(DraftModelProposer):
         self.max_tree_size = shape.size
 
     @torch.no_grad()
-    def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
+    def propose_tree(self, committed: List[int], sizer: Optional[TreeSizeTuner] = None) -> Tuple[TreeShape, torch.Tensor]:
         """The tree's shape and node tokens [N+1] (node 0 = the newest committed token)."""
         shape = self.shape
         tokens = [committed[-1]] + [0] * (shape.size - 1)
@@ -191,18 +190,16 @@ class DynamicTreeProposer(DraftModelProposer):
     become the next frontier; every proposed node is remembered. The tree is the `total_tokens` best nodes overall —
     closed under ancestors since scores only fall along a path (ties broken towards shallower nodes)."""
 
-    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60,
-                 tree_size: Optional[TreeSizeTuner] = None):
+    def __init__(self, model: nn.Module, depth: int = 5, top_k: int = 8, total_tokens: int = 60):
         if min(depth, top_k, total_tokens) < 1:
             raise SpecdrafterError(f"dynamic tree needs depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
         check_tree_draft(model.config)
         super().__init__(model)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.tree_size = tree_size  # verify only as many of the total_tokens candidates as pay (None: all)
         self.max_tree_size = total_tokens + 1
 
     @torch.no_grad()
-    def propose_tree(self, committed: List[int]) -> Tuple[TreeShape, torch.Tensor]:
+    def propose_tree(self, committed: List[int], sizer: Optional[TreeSizeTuner] = None) -> Tuple[TreeShape, torch.Tensor]:
         feed = committed[self.cached:]
         device = device_of(self.model)
         root = self.model(input_ids=torch.tensor([feed], device=device), cache=self.cache, use_cache=True,
@@ -217,8 +214,8 @@ class DynamicTreeProposer(DraftModelProposer):
                               attention_mask=tree_attention(mask, past).to(device),
                               position_ids=torch.full_like(ids, past - 1 + depth)).logits[0].log_softmax(-1)  # [F, V]
 
-        levels = self.tree_size.draft_depth(self.depth) if self.tree_size is not None else self.depth
+        levels = sizer.draft_depth(self.depth) if sizer is not None else self.depth
         candidates, fed = grow_dynamic_tree(root.log_softmax(-1), levels, self.top_k, feed_frontier)
         self.cache.crop(-fed)  # rollback: drop the tree nodes, keep the committed prefix
-        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, self.tree_size)
+        shape, keep, self.node_probs = select_dynamic_tree(candidates, self.total_tokens, sizer)
         return shape, torch.tensor([committed[-1]] + [candidates[c].token for c in keep])

@@ -129,49 +129,29 @@ def verify_tree_greedy(parents: Sequence[int], node_tokens: torch.Tensor, target
 
 
 def verify_tree_sampling(parents: Sequence[int], node_tokens: torch.Tensor, target_probs: torch.Tensor,
-                         draft_probs: Optional[torch.Tensor], mode: str,
                          generator: Optional[torch.Generator] = None) -> TreeVerdict:
-    """Exact tree verification at T > 0 (docs/algorithms.md §Tree verification): the emitted tokens are
-    distributed exactly as p.
+    """Exact tree verification at T > 0 for a tree of deterministic top-k children (EAGLE-2/3, Medusa, a draft
+    model's static or dynamic tree; docs/algorithms.md §Tree verification): the emitted tokens are distributed
+    exactly as p.
 
-    At a node, r := p (the node's target row); its children are tried in order:
-      "iid"            children drawn i.i.d. from q (SpecInfer): accept c if U·q(c) <= r(c), else
-                       r := norm(max(0, r - q)); duplicates are not merged, each rejection updates r.
-      "without_replacement"  (recursive rejection sampling): accept c if U·q_j(c) < r(c), else
-                       r := norm(max(0, r - q_j)) and q_{j+1} := q_j with c zeroed, renormalised.
-      "topk"           deterministic top-k children (EAGLE-2/3): q is a point mass, so accept c with
-                       probability r(c), else r(c) := 0, renormalise. The draft's q is not used.
-    Accepting descends into the child; if all children are rejected, emit x ~ r. At a leaf the bonus is drawn
-    from the leaf's row. `target_probs` p [N+1, V]; `draft_probs` [N+1, V] holds, at row j, the draft
-    distribution q that node j's children were drawn from (unused for "topk").
+    The draft's q is a point mass on each child, so the rule needs only p. At a node, r := p (the node's target row);
+    its children are tried in order: accept child c with probability r(c), else r(c) := 0 and renormalise. Accepting
+    descends into the child; if all children are rejected, emit x ~ r. At a leaf the bonus is drawn from the leaf's
+    row. `target_probs` p [N+1, V], row j for node j.
     """
-    if mode not in ("iid", "without_replacement", "topk"):
-        raise ValueError(f"unknown tree sampling mode {mode!r} (iid, without_replacement, topk)")
     children = _children(parents)
     node, path = 0, []
     while True:
         r = target_probs[node]
-        q = draft_probs[node] if mode != "topk" else None
         accepted = None
         for c in children[node]:
             t = int(node_tokens[c])
-            u = _uniform(generator)
-            if mode == "topk":
-                if u < r[t]:
-                    accepted = c
-                    break
-                r = r.clone()
-                r[t] = 0
-                r = r / r.sum() if r.sum() > 0 else target_probs[node]
-            elif (u * q[t] <= r[t]) if mode == "iid" else (u * q[t] < r[t]):
+            if _uniform(generator) < r[t]:
                 accepted = c
                 break
-            else:
-                r = _residual(r, q)
-                if mode == "without_replacement":
-                    q = q.clone()
-                    q[t] = 0
-                    q = q / q.sum() if q.sum() > 0 else q
+            r = r.clone()
+            r[t] = 0
+            r = r / r.sum() if r.sum() > 0 else target_probs[node]
         if accepted is None:
             return TreeVerdict(len(path), sample(r, generator), path)
         node = accepted

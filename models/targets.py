@@ -16,7 +16,7 @@ Three kinds of layer matter to speculative decoding (transformers names them in 
 from __future__ import annotations
 
 import difflib
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from transformers import DynamicCache
@@ -217,17 +217,32 @@ def drop_last(cache: DynamicCache, n: int, saved: Optional[Snapshot]) -> None:
             DynamicLayer.crop(layer, -n)
 
 
-def rollback(target, cache: DynamicCache, ids: torch.Tensor, keep: int, saved: Optional[Snapshot]) -> None:
-    """After a verify pass over `ids` [1, n], keep its first `keep` positions in the cache. Attention layers are
-    cropped; a target with recurrent layers is put back to `saved` and fed ids[:, :keep] again."""
-    n = ids.shape[1]
+def rollback(target, cache: DynamicCache, ids: torch.Tensor, kept: Sequence[int], saved: Optional[Snapshot]) -> None:
+    """After a verify pass over `ids` [1, n], keep only the pass positions `kept` (ascending) in the cache: a chain
+    keeps a prefix (0, 1, …, accepted), a tree its root and accepted path. Attention layers move the kept entries
+    together and are cropped; a target with recurrent layers (chains only) is put back to `saved` and fed the kept
+    ids again."""
+    n, kept = ids.shape[1], list(kept)
     if saved is None:
-        drop_last(cache, n - keep, None)
+        if kept != list(range(len(kept))):
+            _compact(cache, kept, n)
+        drop_last(cache, n - len(kept), None)
         return
-    if keep == n:
+    if kept != list(range(len(kept))):
+        raise ValueError("a target with recurrent layers can only keep a prefix of its verify pass")
+    if len(kept) == n:
         return
     drop_last(cache, n, saved)
-    target(input_ids=ids[:, :keep], cache=cache, use_cache=True, logits_to_keep=1)
+    target(input_ids=ids[:, :len(kept)], cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def _compact(cache: DynamicCache, kept: List[int], n: int) -> None:
+    """Move the entries of pass positions `kept` (of the last `n` in every layer) to the front of the pass."""
+    for layer in cache.layers:
+        start = layer.keys.shape[-2] - n  # where this layer's copy of the pass begins
+        index = torch.tensor([start + j for j in kept], device=layer.keys.device)
+        layer.keys[:, :, start:start + len(kept)] = layer.keys[:, :, index]  # [B, H, n, D]
+        layer.values[:, :, start:start + len(kept)] = layer.values[:, :, index]
 
 
 # ------------------------------------------------------------------------------------------------- trees

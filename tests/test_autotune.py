@@ -79,7 +79,7 @@ def test_auto_greedy_is_token_identical_and_learns(pair):
     target, draft = pair
     tuner = BlockLengthTuner(max_k=6)
     for prompt in ([5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8], [250]):
-        result = speculative_generate(target, DraftModelProposer(draft), prompt, 30, SamplingParams(0.0), tuner, [2])
+        result = speculative_generate(target, DraftModelProposer(draft), prompt, 30, SamplingParams(0.0), 0, [2], tuner=tuner)
         reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, eos_token_id=[2],
                                     pad_token_id=2)[0, len(prompt):].tolist()
         assert result.tokens == reference
@@ -117,7 +117,8 @@ def test_changing_k_every_cycle_still_samples_from_the_target():
     gen = torch.Generator().manual_seed(0)
     counts, ks = Counter(), Counter()
     for _ in range(n):
-        r = speculative_generate(target, DraftModelProposer(draft), prompt, 3, SamplingParams(1.0), tuner, generator=gen)
+        r = speculative_generate(target, DraftModelProposer(draft), prompt, 3, SamplingParams(1.0), generator=gen,
+                                 tuner=tuner)
         counts[tuple(r.tokens)] += 1
         ks.update(c.drafted for c in r.cycles)
     assert set(ks) == {1, 2, 3}
@@ -195,10 +196,10 @@ def test_tree_size_update_counts_the_children_of_the_accepted_path():
 def test_auto_sized_trees_decode_greedy_exactly_and_learn(pair):
     target, draft = pair
     tuner = TreeSizeTuner(12)
-    proposer = DynamicTreeProposer(draft, depth=4, top_k=3, total_tokens=12, tree_size=tuner)
+    proposer = DynamicTreeProposer(draft, depth=4, top_k=3, total_tokens=12)
     sizes = set()
     for prompt in ([5, 17, 42, 9], [1, 2, 3, 4, 5, 6, 7, 8]):
-        result = tree_speculative_generate(target, proposer, prompt, 30, SamplingParams(0.0), [2])
+        result = tree_speculative_generate(target, proposer, prompt, 30, SamplingParams(0.0), [2], sizer=tuner)
         reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, eos_token_id=[2],
                                     pad_token_id=2)[0, len(prompt):].tolist()
         assert result.tokens == reference
@@ -225,11 +226,11 @@ def test_changing_tree_size_every_cycle_still_samples_from_the_target():
     prompt, n = [3, 5], 1500
     tuner = CyclingTree(4)
     tuner.v = {1: 1.0}  # calibrated (the policy ignores costs)
-    proposer = DynamicTreeProposer(draft, depth=2, top_k=2, total_tokens=4, tree_size=tuner)
+    proposer = DynamicTreeProposer(draft, depth=2, top_k=2, total_tokens=4)
     gen = torch.Generator().manual_seed(0)
     counts, sizes = Counter(), Counter()
     for _ in range(n):
-        r = tree_speculative_generate(target, proposer, prompt, 2, SamplingParams(1.0), generator=gen)
+        r = tree_speculative_generate(target, proposer, prompt, 2, SamplingParams(1.0), generator=gen, sizer=tuner)
         counts[tuple(r.tokens)] += 1
         sizes.update(c.size for c in r.cycles)
     assert set(sizes) == {2, 3, 4, 5}

@@ -228,8 +228,8 @@ class CheckedChain(CacheChecks, EagleProposer):
 
 
 class CheckedTree(CacheChecks, EagleTreeProposer):
-    def propose_tree(self, committed):
-        out = super().propose_tree(committed)
+    def propose_tree(self, committed, sizer=None):
+        out = super().propose_tree(committed, sizer)
         assert self.cache.get_seq_length() == self.cached == len(committed) - 1
         return out
 
@@ -256,11 +256,11 @@ def test_greedy_chain_is_token_identical_to_target_generate(request, target, ref
 @pytest.mark.parametrize("head, sized", [("mimic_head", False), ("random_head", False), ("mimic_head", True)])
 def test_greedy_tree_is_token_identical_to_target_generate(request, target, references, head, sized):
     """Also with the tree size chosen every cycle (TreeSizeTuner): whatever part of the tree is verified."""
-    proposer = CheckedTree(request.getfixturevalue(head), target, depth=4, top_k=4, total_tokens=12,
-                           tree_size=TreeSizeTuner(12) if sized else None)
+    proposer = CheckedTree(request.getfixturevalue(head), target, depth=4, top_k=4, total_tokens=12)
+    sizer = TreeSizeTuner(12) if sized else None
     accepted = []
     for prompt, reference in zip(PROMPTS, references):
-        result = tree_speculative_generate(target, proposer, prompt, NEW, GREEDY, EOS)
+        result = tree_speculative_generate(target, proposer, prompt, NEW, GREEDY, EOS, sizer=sizer)
         assert result.tokens == reference
         assert_outputs_match_recompute(proposer, target)
         accepted += [c.accepted for c in result.cycles]

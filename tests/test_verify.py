@@ -14,6 +14,7 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.inference.sampling import SamplingParams, draw, sample, sampling_probs
 from specdrafter.inference.verify import (
     RegretLedger,
+    TreeVerdict,
     Verdict,
     verify_asd,
     verify_greedy,
@@ -210,8 +211,42 @@ def tree_cycle(P, Q, state, mode, gen):
                 raise AssertionError("test tree wider than the draft support")
             for c, t in zip(kids, draft_children(Q[tokens[node]], len(kids), mode, gen)):
                 tokens[c] = t
-    v = verify_tree_sampling(TREE, torch.tensor(tokens), P[tokens], Q[tokens], mode, gen)
+    if mode == "topk":  # the rule decoding uses
+        v = verify_tree_sampling(TREE, torch.tensor(tokens), P[tokens], gen)
+    else:
+        v = tree_sampling_with_drawn_children(TREE, torch.tensor(tokens), P[tokens], Q[tokens], mode, gen)
     return [tokens[j] for j in v.accepted_nodes] + [v.next_token]
+
+
+def tree_sampling_with_drawn_children(parents, node_tokens, target_probs, draft_probs, mode, gen) -> TreeVerdict:
+    """The two exact rules for trees whose children are drawn from q rather than chosen as its top-k (no drafter of
+    ours drafts such trees; kept as references beside the rule decoding uses). At a node r := p, children in order:
+      "iid"                  children drawn i.i.d. from q (SpecInfer): accept c if U·q(c) <= r(c), else
+                             r := norm(max(0, r - q)); duplicates are not merged, each rejection updates r.
+      "without_replacement"  (recursive rejection sampling): accept c if U·q_j(c) < r(c), else
+                             r := norm(max(0, r - q_j)) and q_{j+1} := q_j with c zeroed, renormalised.
+    `draft_probs` [N+1, V] holds, at row j, the q node j's children were drawn from."""
+    children = {}
+    for j, parent in enumerate(parents[1:], 1):
+        children.setdefault(parent, []).append(j)
+    node, path = 0, []
+    while True:
+        r, q, accepted = target_probs[node], draft_probs[node], None
+        for c in children.get(node, []):
+            t, u = int(node_tokens[c]), float(torch.rand((), generator=gen, dtype=torch.float64))
+            if (u * q[t] <= r[t]) if mode == "iid" else (u * q[t] < r[t]):
+                accepted = c
+                break
+            residual = (r - q).clamp_min(0)  # norm(max(0, r - q)); mass 0 only where r == q: keep r
+            r = residual / residual.sum() if residual.sum() > 0 else r
+            if mode == "without_replacement":
+                q = q.clone()
+                q[t] = 0
+                q = q / q.sum() if q.sum() > 0 else q
+        if accepted is None:
+            return TreeVerdict(len(path), sample(r, gen), path)
+        node = accepted
+        path.append(node)
 
 
 @pytest.mark.parametrize("mode", ["iid", "without_replacement", "topk"])
