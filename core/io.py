@@ -56,7 +56,7 @@ def publish_dir(tmp: Path, final: Path) -> Path:
     first); a file or a link there is refused, never deleted."""
     if final.is_symlink() or (final.exists() and not final.is_dir()):
         raise SpecdrafterError(f"{str(final)!r} is a file, not a folder; nothing was replaced")
-    os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+    make_readable(tmp)
     if not final.exists():
         os.replace(tmp, final)
         return final
@@ -71,6 +71,18 @@ def publish_dir(tmp: Path, final: Path) -> Path:
         raise
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def make_readable(folder: Path) -> None:
+    """Every folder under `folder` (itself included) 0755 and every file 0644, as atomic_write_bytes writes them:
+    mkdtemp creates 0700, and safetensors (so transformers' save_pretrained too) writes weights 0600, which another
+    user or a container serving the folder cannot read. Links are left alone (chmod would follow them)."""
+    os.chmod(folder, 0o755)
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o755 if name in dirs else 0o644)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -106,7 +106,7 @@ def save_weights(tensors: Dict[str, torch.Tensor], path: Path) -> None:
 def write_config_and_weights(module, folder: Path) -> None:
     """`module.config` (config.json) + its state dict (model.safetensors) into an existing folder."""
     module.config.save_pretrained(folder)
-    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(Path(folder) / "model.safetensors"))
+    save_weights({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, Path(folder) / "model.safetensors")
 
 
 def save_config_and_weights(module, folder: Path) -> Path:

@@ -138,7 +138,17 @@ def load_prompt_set(name_or_path: str) -> List[dict]:
     """Records {id, source, category, turns, reference} of a built-in set, of a user JSONL file, or of a saved
     `datasets` folder. A user row holds `turns` (list of str), `prompt` (str), or `messages` / `conversations`
     (chat turns as {role, content} or ShareGPT's {from, value}; the user turns are the prompts)."""
-    path = ensure_prompt_set(name_or_path) if name_or_path in NORMALISERS else Path(name_or_path).expanduser()
+    if name_or_path not in NORMALISERS:
+        return _prompt_records(Path(name_or_path).expanduser())
+    path = ensure_prompt_set(name_or_path)
+    try:
+        return _prompt_records(path)
+    except SpecdrafterError as e:  # the cached copy was damaged after it was written (a full disk, an edit)
+        raise SpecdrafterError(f"{e}; it is the cached copy of the built-in prompt set {name_or_path!r}: delete "
+                               f"{path} and it is fetched again") from None
+
+
+def _prompt_records(path: Path) -> List[dict]:
     if path.is_dir():
         rows = _dataset_rows(path)
     elif path.is_file():

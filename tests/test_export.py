@@ -533,6 +533,8 @@ def test_overwrite_replaces_only_an_export_and_never_a_users_files(tmp_path, che
     shutil.rmtree(out / "sub")
     export(eagle, "sglang", out, overwrite=True)
     assert "exported as `sglang`" in (out / "README.md").read_text()
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes == {".": 0o755, **{name: 0o644 for name in modes if name != "."}}  # served by another user too
 
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")

@@ -85,7 +85,36 @@ def test_empty_prompt_set_after_filtering_is_one_clear_error(tmp_path, tiny_targ
     cfg = recipe(tmp_path, tiny_target, prompt_file, "data.min_prompt_tokens=200", "data.max_prompt_tokens=300")
     with pytest.raises(SpecdrafterError, match="no prompts left after filtering"):
         generate_dataset(cfg)
-    assert not list((tmp_path / "shards").iterdir())
+    assert list(tmp_path.iterdir()) == [prompt_file]  # no recipe.yaml, no shards/: nothing that looks like output
+
+
+def file_state(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in root.rglob("*")}
+
+
+def test_a_job_that_fails_on_its_prompt_file_leaves_no_output_and_keeps_an_earlier_runs(tmp_path, tiny_target,
+                                                                                          prompt_file):
+    """Issue 54: a bad prompt file left recipe.yaml and an empty shards/ behind (and overwrote a finished run's
+    recipe.yaml on a rerun), because the output folder was prepared before the prompts were read."""
+    empty, corrupt = tmp_path / "empty.jsonl", tmp_path / "corrupt.jsonl"
+    empty.write_text("")
+    corrupt.write_bytes(b'{"id": "a", "prompt": "fine"}\n{"id": "b", "prompt": "cut off\n')
+    for bad, message in [(empty, "the prompt file is empty"), (corrupt, "corrupt.jsonl:2: not valid JSON")]:
+        out = tmp_path / f"run-{bad.stem}"
+        with pytest.raises(SpecdrafterError, match=message):
+            generate_dataset(recipe(out, tiny_target, bad))
+        assert not out.exists()
+
+    out = tmp_path / "run"
+    generate_dataset(recipe(out, tiny_target, prompt_file))
+    before = file_state(out)
+    done = subprocess.run([sys.executable, "launch/generate_data.py", str(DATA_RECIPE), f"output_dir={out}",
+                           f"target.model={tiny_target}", f"data.prompts={corrupt}"], cwd=REPO, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "not valid JSON" in done.stderr
+    assert file_state(out) == before  # the finished run's recipe.yaml, shards and stats are as they were
 
 
 def test_resume_keeps_finished_shards_and_reproduces_missing_ones(tmp_path, tiny_target, prompt_file):

@@ -842,6 +842,21 @@ def test_a_checkpoint_records_the_checksum_of_every_file(uninterrupted):
     assert state["step"] == 6 and len(state["state_sha256"]) == 64
 
 
+def unreadable_by_others(root: Path) -> list:
+    """Files under `root` another user cannot read (mode & 0o044), and folders they cannot list (mode & 0o055)."""
+    return [f"{p.relative_to(root)} {oct(p.stat().st_mode & 0o777)}" for p in [root, *root.rglob("*")]
+            if p.stat().st_mode & (0o055 if p.is_dir() else 0o044) != (0o055 if p.is_dir() else 0o044)]
+
+
+def test_checkpoints_and_the_published_drafter_are_readable_by_others(uninterrupted):
+    """Issue 54: model.safetensors was written 0600 (safetensors' own mode) while every other file was 0644, so
+    another user or a container serving the folder could not read the weights. (Assumes the usual umask 022, which
+    the DeepSpeed state files follow.)"""
+    newest = complete_checkpoints(uninterrupted / "checkpoints")[-1]
+    assert (newest / "drafter" / "model.safetensors").is_file()
+    assert unreadable_by_others(newest) == [] and unreadable_by_others(uninterrupted / "drafter") == []
+
+
 @pytest.mark.parametrize("how", ["truncate", "zero", "bitflip"])
 @pytest.mark.parametrize("name", CHECKPOINT_FILES)
 def test_a_damaged_newest_checkpoint_is_named_and_moved_aside(tmp_path, uninterrupted, name, how):
