@@ -305,7 +305,8 @@ class DrafterConfig:
     path: Optional[str] = checked(None, existing_folder("drafter folder"))
     # Decoding with drafter.path unset: a training run's output_dir (or a checkpoint of it) whose newest checkpoint
     # decodes in place of drafter.kind once it holds one trained for target.model; until then drafter.kind decodes,
-    # and the job says which (jobs/decode.py: resolve_drafter). None: always drafter.kind.
+    # and the job says which (jobs/decode.py: resolve_drafter). The recipe's decoding keys are checked against the
+    # drafter that decodes (kinds/__init__.py: check_recipe). None: always drafter.kind.
     run: Optional[str] = None
     # self_draft, and a draft model initialised from the target's first num_layers layers
     num_layers: int = checked(6, AT_LEAST_ONE)

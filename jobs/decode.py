@@ -13,15 +13,14 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, load_saved_recipe, read_yaml, save_recipe
+from specdrafter.core.recipe import DrafterKind, read_yaml, save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.decode import ContextOverflow, GenerationResult, acceptance_rate, alpha_per_token, positions_tried
 from specdrafter.inference.decoder import Decoder, build_decoder
 from specdrafter.jobs.recipe import checked_recipe
-from specdrafter.kinds import KINDS, Kind, drafter_path, kind_of
+from specdrafter.kinds import KINDS, Kind, drafter_path, kind_of, newest_trained
 from specdrafter.recipes import RECIPES_DIR
 
 log = logging.getLogger("specdrafter")
@@ -44,13 +43,14 @@ class ChosenDrafter:
 
 def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
     """The drafter a decoding job uses: drafter.path when set; else the newest checkpoint of drafter.run once it holds
-    one trained for target.model that decodes what the recipe asks (its kind replaces drafter.kind); else
-    drafter.kind, saying why and what trains the one drafter.run names."""
+    one trained for target.model (its kind replaces drafter.kind; one that cannot decode what the recipe asks, e.g. a
+    static tree from an EAGLE-3 head, is refused in one line, never swapped for drafter.kind); else drafter.kind,
+    saying why and what trains the one drafter.run names."""
     dr = cfg.drafter
     if dr.path or not dr.run:
         return ChosenDrafter(cfg, f"drafter: {_described(cfg)}")
     try:
-        newest = _newest_trained(cfg)
+        newest = newest_trained(cfg)
     except SpecdrafterError as why:
         return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: {why}{_trainer_of(dr.run)}")
     chosen = cfg.copy()
@@ -58,29 +58,15 @@ def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
     try:
         chosen = checked_recipe(chosen)  # a new recipe: e.g. a static tree, which an EAGLE-3 head does not draft
     except SpecdrafterError as why:
-        return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: the newest checkpoint of drafter.run {dr.run} holds "
-                                  f"{KINDS[newest.state['drafter']].description}, which cannot decode this recipe ({why})")
+        raise SpecdrafterError(f"the newest checkpoint of drafter.run {dr.run} holds "
+                               f"{KINDS[newest.state['drafter']].description}, which cannot decode this recipe: {why} "
+                               f"(drafter.run=null decodes with {_described(cfg)})") from None
     return ChosenDrafter(chosen, f"drafter: {_described(chosen)} (the newest checkpoint of drafter.run {dr.run})")
 
 
 def _described(cfg: DictConfig) -> str:
     kind = kind_of(cfg)
     return f"{kind.description}, {cfg.drafter.path}" if cfg.drafter.path else f"{kind.description} (drafter.kind={kind.name})"
-
-
-def _newest_trained(cfg: DictConfig) -> Checkpoint:
-    """drafter.run's newest checkpoint, when it holds a drafter of a known kind trained for target.model; else a
-    SpecdrafterError saying why not."""
-    run = cfg.drafter.run
-    if not Path(run).expanduser().exists():
-        raise SpecdrafterError(f"{run} holds no trained drafter yet")
-    newest = find_checkpoints(run)[-1]
-    if newest.state.get("drafter") not in KINDS:
-        raise SpecdrafterError(f"{newest.drafter} has no trainer_state.json naming its drafter kind")
-    trained = load_saved_recipe(newest.recipe).target.model if newest.recipe else None
-    if trained != cfg.target.model:
-        raise SpecdrafterError(f"{run} was trained for target {trained!r}, not {cfg.target.model!r}")
-    return newest
 
 
 def _trainer_of(run: str) -> str:

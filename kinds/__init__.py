@@ -11,8 +11,9 @@ from typing import Dict, List, Optional
 
 from omegaconf import DictConfig
 
+from specdrafter.core.checkpoints import Checkpoint, find_checkpoints
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import RecipeError
+from specdrafter.core.recipe import RecipeError, load_saved_recipe
 from specdrafter.core.weights import check_model_folder
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
@@ -26,7 +27,7 @@ KINDS: Dict[str, Kind] = {k.name: k for k in (Eagle3(), Eagle1(), Medusa(), DFla
                                                SelfDraft())}
 
 __all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "drafter_path", "check_drafter_folder",
-           "build_drafter", "check_recipe", "feature_layers", "trainable_by"]
+           "build_drafter", "check_recipe", "newest_trained", "feature_layers", "trainable_by"]
 
 
 def kind_of(cfg: DictConfig) -> Kind:
@@ -41,13 +42,45 @@ def kind_of_config(config: dict) -> Optional[Kind]:
 
 def check_recipe(cfg: DictConfig) -> None:
     """The rules that need the drafter side of the code: a static tree's shape (inference.tree), then the kind's own
-    (jobs/recipe.py:checked_recipe runs them after the schema's, before anything loads)."""
+    (jobs/recipe.py:checked_recipe runs them after the schema's, before anything loads), for the drafter that
+    decodes: drafter.run's newest checkpoint where it holds one trained for target.model (it decodes in drafter.kind's
+    place: jobs/decode.py, resolve_drafter), else drafter.kind's."""
     if cfg.inference.tree:
         try:
             tree_from_choices([list(c) for c in cfg.inference.tree])
         except SpecdrafterError as e:
             raise RecipeError(f"recipe key 'inference.tree': {e}") from None
-    kind_of(cfg).check_recipe(cfg)
+    trained = None
+    if cfg.drafter.run and not cfg.drafter.path:
+        try:
+            trained = newest_trained(cfg)
+        except SpecdrafterError:  # none yet (the decoding job says why): drafter.kind decodes
+            pass
+    if trained is None:
+        kind_of(cfg).check_recipe(cfg)
+        return
+    kind = KINDS[trained.state["drafter"]]
+    try:
+        kind.check_recipe(cfg)
+    except RecipeError as e:
+        raise RecipeError(f"{e}: drafter.run {cfg.drafter.run} holds {kind.description} ({trained.drafter}), which "
+                          f"decodes in place of drafter.kind={cfg.drafter.kind.value} (drafter.run=null decodes with "
+                          "drafter.kind)") from None
+
+
+def newest_trained(cfg: DictConfig) -> Checkpoint:
+    """drafter.run's newest checkpoint, when it holds a drafter of a known kind trained for target.model; else a
+    SpecdrafterError saying why not."""
+    run = cfg.drafter.run
+    if not Path(run).expanduser().exists():
+        raise SpecdrafterError(f"{run} holds no trained drafter yet")
+    newest = find_checkpoints(run)[-1]
+    if newest.state.get("drafter") not in KINDS:
+        raise SpecdrafterError(f"{newest.drafter} has no trainer_state.json naming its drafter kind")
+    trained = load_saved_recipe(newest.recipe).target.model if newest.recipe else None
+    if trained != cfg.target.model:
+        raise SpecdrafterError(f"{run} was trained for target {trained!r}, not {cfg.target.model!r}")
+    return newest
 
 
 def build_drafter(cfg: DictConfig, target, data=None, tokenizer=None):

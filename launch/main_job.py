@@ -51,11 +51,14 @@ def step(name: str, script: str, recipe: str, overrides) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        return
     serve = "--serve" in argv
     overrides = [a for a in argv if a != "--serve"]
     bad = [a for a in overrides if "=" not in a]
     if bad:
-        sys.exit(f"usage: python launch/main_job.py [key=value ...] [--serve] (got {bad[0]!r})")
+        sys.exit(f"usage: python launch/main_job.py [key=value ...] [--serve] [--help] (got {bad[0]!r})")
     if not native_bf16():  # emulated bf16 is many times slower than fp32 (training: 56 s a step instead of 1.5)
         fp32 = [a for a in ("target.dtype=float32", "train.precision=fp32")
                 if not any(o.startswith(a.split("=")[0] + "=") for o in overrides)]

@@ -248,15 +248,51 @@ def test_the_demo_decodes_with_the_run_once_it_holds_a_drafter_and_says_which(tm
         trained = decode(cfg)
     assert caplog.messages[0] == f"drafter: an EAGLE-3 head, {folder / 'drafter'} (the newest checkpoint of drafter.run {run})"
     assert trained.result.tokens == alone.result.tokens and len(set(alone.result.tokens)) > 2
-    cfg.inference.tree = [[0], [1], [0, 0]]  # a static tree: an EAGLE-3 head drafts dynamic ones
-    assert resolve_drafter(cfg).line.startswith(f"drafter: a self-draft (drafter.kind=self_draft): the newest checkpoint of "
-                                                f"drafter.run {run} holds an EAGLE-3 head, which cannot decode this recipe")
+    cfg.inference.tree = [[0], [1], [0, 0]]  # a static tree: an EAGLE-3 head drafts dynamic ones; refused, not swapped
+    with pytest.raises(SpecdrafterError, match=f"^the newest checkpoint of drafter.run {run} holds an EAGLE-3 head, "
+                                               "which cannot decode this recipe: .*drafts dynamic trees"):
+        resolve_drafter(cfg)
     cfg.inference.tree = []
 
     (folder / "recipe.yaml").write_text(f"output_dir: {run}\ntarget:\n  model: another-target\n")
     write_checkpoint_state(folder, {"step": 4, "tokens": 100, "drafter": "eagle3", "metrics": {}})
     assert resolve_drafter(cfg).line == (f"drafter: a self-draft (drafter.kind=self_draft): {run} was trained for target "
                                          f"'another-target', not '{tmp_path / 'target'}'")
+
+
+def eagle3_run(run, target, target_folder):
+    """`run` holding one checkpoint of a random EAGLE-3 head trained (so its recipe says) for `target_folder`."""
+    folder = run / "checkpoints" / "step-000004"
+    save_eagle3(Eagle3Head(eagle3_config(target.config, [0, 1, 2], 256)), folder / "drafter")
+    (folder / "recipe.yaml").write_text(f"output_dir: {run}\ntarget:\n  model: {target_folder}\n")
+    write_checkpoint_state(folder, {"step": 4, "tokens": 100, "drafter": "eagle3", "metrics": {}})
+    return folder
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    (["inference.verifier=typical", "inference.tree=[[0],[1],[0,0]]"],
+     "recipe key 'inference.verifier': typical acceptance needs Medusa heads"),
+    (["inference.tree=[[0],[1],[0,0]]"], "recipe key 'inference.tree': an EAGLE-3 head drafts dynamic trees")])
+def test_a_recipe_the_runs_head_cannot_decode_is_refused_naming_the_head(tmp_path, smollm2_tokenizer, overrides,
+                                                                         refusal):
+    """The generate recipe with drafter.run holding an EAGLE-3 head: typical acceptance and a static tree are refused
+    where the recipe loads, naming the head that would decode (not drafter.kind's self-draft, which decodes only
+    while the run holds no drafter: then the same recipe decodes); drafter.run=null decodes with the self-draft."""
+    target = sharp_target(tmp_path / "target", smollm2_tokenizer)
+    run = tmp_path / "run"
+    base = [f"target.model={tmp_path / 'target'}", "drafter.num_layers=1", "output_dir=unused", f"drafter.run={run}",
+            *overrides]
+    load_recipe(GENERATE_RECIPE, [*base[:4], "inference.tree=[[0],[1],[0,0]]"])  # no drafter in the run: the self-draft
+    folder = eagle3_run(run, target, tmp_path / "target")
+    with pytest.raises(SpecdrafterError) as e:
+        load_recipe(GENERATE_RECIPE, base)
+    line = str(e.value)
+    assert line.startswith(refusal) and "\n" not in line and "it is self_draft" not in line
+    assert f"drafter.run {run} holds an EAGLE-3 head ({folder / 'drafter'}), which decodes in place of " \
+           "drafter.kind=self_draft" in line
+    if "inference.verifier=typical" not in overrides:
+        assert resolve_drafter(load_recipe(GENERATE_RECIPE, [*base, "drafter.run=null"])).line == (
+            "drafter: a self-draft (drafter.kind=self_draft)")
 
 
 def test_the_block_length_tuner_is_calibrated_before_the_timed_request(tmp_path, smollm2_tokenizer):
