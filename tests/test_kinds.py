@@ -16,6 +16,15 @@ from specdrafter.kinds import KINDS, kind_of_config
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "data", "eval", "export", "inference", "jobs", "models", "train", "launch", "benchmarks")
 NAMES = set(KINDS)
+EXPORTS = {  # --format → the kinds it exports
+    "vllm": ["eagle3", "dflash", "dspark"],
+    "sglang": ["eagle3", "dflash", "dspark"],
+    "speculators": ["eagle3", "dflash", "dspark"],
+    "gguf": ["eagle3", "dflash", "dspark", "draft_model"],
+    "medusa-vllm": ["medusa"],
+    "medusa": ["medusa"],
+    "hf-draft": ["draft_model"],
+}
 
 
 def test_schema_and_table_agree():
@@ -35,12 +44,16 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     """One --format may serve several kinds (`vllm`: EAGLE-3, DFlash, DSpark); each kind's writer writes it. gguf is
     the folder of the format the kind's llama.cpp spec converts, which its writer writes."""
     assert set(FORMATS) == {f for w in WRITERS.values() for f in w.formats} | {"gguf"}
+    # written out, not derived from KINDS as FORMATS is: a kind that lost a format, or a FORMATS built another way,
+    # shows here as a difference (the order is the table's: the kinds in KINDS order)
+    assert {fmt: [k.name for k in kinds] for fmt, kinds in FORMATS.items()} == EXPORTS
+    assert list(FORMATS) == list(EXPORTS)  # --format's choices, in the order the kinds first name them
     for fmt, kinds in FORMATS.items():
-        assert list(kinds) == [k for k in KINDS.values() if fmt in k.formats] and kinds
         assert all((k.export.llamacpp.converts if fmt == "gguf" else fmt) in WRITERS[k.export.family].formats
                    for k in kinds), fmt
-    assert [k.name for k in FORMATS["vllm"]] == ["eagle3", "dflash", "dspark"]
-    assert [k.name for k in FORMATS["gguf"]] == ["eagle3", "dflash", "dspark", "draft_model"]
+    for name, kind in KINDS.items():  # and from the kind's side: each of its formats lists it, none other does
+        assert {fmt for fmt, names in EXPORTS.items() if name in names} == set(kind.formats), name
+    assert not KINDS["eagle1"].formats and not KINDS["self_draft"].formats  # no engine serves these as they are
 
 
 @pytest.mark.parametrize("config, name", [

