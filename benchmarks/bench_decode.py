@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, EvalVerifier
+from specdrafter.core.recipe import DrafterKind, EvalVerifier, as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval import llamacpp as llama_arm
@@ -138,9 +138,8 @@ def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], sp
 
 def variant(cfg: DictConfig, kind: str, path, drafter: Optional[dict] = None, **inference) -> DictConfig:
     """The recipe with drafter `kind` at `path`, no tree unless given, and the `drafter` and `inference` keys set."""
-    c = cfg.copy()
+    c = as_chain(cfg)
     c.drafter.kind, c.drafter.path = DrafterKind(kind), str(path) if path else None
-    c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
     for section, keys in (("drafter", drafter or {}), ("inference", inference)):
         for key, value in keys.items():
             if isinstance(value, dict):  # a structured sub-config (dynamic_tree, block): set its fields one by one

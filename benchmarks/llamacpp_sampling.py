@@ -209,7 +209,7 @@ def summary(folders: list) -> str:
         r = json.loads((Path(folder) / "result.json").read_text())
         arm, worst = min(r["arms"].items(), key=lambda a: a[1]["p_value"])
         rejection = ", ".join(f"{a['acceptance']:.2f} (p {a['p_value']:.2g})" for name, a in r["arms"].items()
-                              if name.endswith("probabilistic") and "draft-simple" in name)
+                              if name.endswith("probabilistic") and "as draft model" in name)
         kind = "refused by the export" if r.get("refused") else f"{r['kind']} ✓"
         lines.append(f"| {r.get('target', 'llama')} | {r['bins'] - 1} ({1 - r['pooled_mass']:.0%}) | {len(r['arms'])} | "
                      f"{worst['p_value']:.3g} ({arm}) | {rejection} | {kind} |")
@@ -249,8 +249,9 @@ def main() -> None:
         noisy_gguf = root / "perturbed.gguf"
         llamacpp.convert(root / "perturbed", noisy_gguf)
         spec, refused = KINDS[args.kind].export.llamacpp.spec_type, None
-        drafters = {"target as draft model (draft-simple)": (target_gguf, "draft-simple"),
-                    f"target + noise σ={args.noise} as draft model (draft-simple)": (noisy_gguf, "draft-simple")}
+        simple = KINDS["draft_model"].export.llamacpp.spec_type
+        drafters = {f"target as draft model ({simple})": (target_gguf, simple),
+                    f"target + noise σ={args.noise} as draft model ({simple})": (noisy_gguf, simple)}
         try:
             drafters = {f"random {args.kind} ({spec})": (drafter_gguf(args.kind, root / "target", tok, root), spec),
                         **drafters}

@@ -737,6 +737,19 @@ def _check_data(cfg: DictConfig) -> None:
                           f"({d.max_prompt_tokens})")
 
 
+def is_tree(inference: DictConfig) -> bool:
+    """Whether a recipe's inference section decodes a tree (a static inference.tree or a dynamic one): the one place
+    this is decided."""
+    return bool(inference.tree or inference.dynamic_tree.total_tokens)
+
+
+def as_chain(cfg: DictConfig) -> DictConfig:
+    """A copy of the recipe with its tree removed: what decodes it as a chain."""
+    c = cfg.copy()
+    c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
+    return c
+
+
 def _check_inference(cfg: DictConfig) -> None:
     inf = cfg.inference
     if inf.tree and inf.dynamic_tree.total_tokens:
@@ -745,7 +758,7 @@ def _check_inference(cfg: DictConfig) -> None:
     if inf.verifier.value == "asd" and inf.temperature > 0:
         raise RecipeError("recipe key 'inference.verifier': asd is defined for greedy decoding only "
                           "(set inference.temperature=0)")
-    if inf.verifier.value == "asd" and (inf.tree or inf.dynamic_tree.total_tokens):
+    if inf.verifier.value == "asd" and is_tree(inf):
         raise RecipeError("recipe key 'inference.verifier': asd verifies chains; set inference.tree=[] and "
                           "inference.dynamic_tree.total_tokens=0")
 
@@ -763,7 +776,7 @@ def _check_train(cfg: DictConfig) -> None:
 
 def _check_eval(cfg: DictConfig) -> None:
     inf = cfg.inference
-    if "tree" in {v.value for v in cfg.eval.verifiers} and not (inf.tree or inf.dynamic_tree.total_tokens):
+    if "tree" in {v.value for v in cfg.eval.verifiers} and not is_tree(inf):
         raise RecipeError("recipe key 'eval.verifiers': tree needs inference.tree (static) or "
                           "inference.dynamic_tree.total_tokens")
 

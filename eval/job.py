@@ -76,7 +76,7 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
-from specdrafter.core.recipe import ASDConfig, EvalVerifier, save_recipe
+from specdrafter.core.recipe import ASDConfig, EvalVerifier, as_chain, save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (
@@ -437,19 +437,12 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     kind = kind_of(c)
     serving = kind.serving_target(ckpt.drafter, target)
     tree = kind.proposer(c, serving, path) if {"tree", "typical"} & set(verifiers) else None
-    return serving, kind.proposer(chain_recipe(c), serving, path), tree
-
-
-def chain_recipe(cfg: DictConfig) -> DictConfig:
-    """The recipe with its tree removed: what a chain cell decodes with."""
-    c = cfg.copy()
-    c.inference.tree, c.inference.dynamic_tree.total_tokens = [], 0
-    return c
+    return serving, kind.proposer(as_chain(c), serving, path), tree
 
 
 def cell_decoding(cfg: DictConfig, cell: Cell) -> DictConfig:
     """The inference section a cell decodes with: its temperature, verifier, k and ASD setting, eval.max_new_tokens."""
-    inf = (chain_recipe(cfg) if cell.is_chain else cfg).inference.copy()
+    inf = (as_chain(cfg) if cell.is_chain else cfg).inference.copy()
     inf.temperature, inf.max_new_tokens = cell.temperature, cfg.eval.max_new_tokens
     inf.verifier = EvalVerifier(cell.verifier).rule
     if cell.is_chain:

@@ -25,15 +25,6 @@ from specdrafter.core.io import SpecdrafterError, temp_dir_beside
 if TYPE_CHECKING:  # annotations only
     from specdrafter.export.source import Source, Target
 
-# What llama.cpp (11434) cannot serve, by the target's HF architecture, found by serving tiny random models of each
-# (tests/test_llamacpp_targets.py). Its graphs for these targets never expose the layer inputs an EAGLE-3, DFlash or
-# DSpark drafter reads: llama-server aborts at its first request ("layer input tensor is null").
-NO_LAYER_INPUTS = {"Gemma3ForCausalLM": "Gemma 3", "Gemma3ForConditionalGeneration": "Gemma 3",
-                   "DeepseekV3ForCausalLM": "DeepSeek-V3"}
-# Its converter's DFlash/DSpark class calls the target's vocabulary code as its own method, which fails (TypeError
-# from super()) where that code is Qwen3-MoE's.
-BLOCK_CONVERTER_FAILS = {"Qwen3MoeForCausalLM": "Qwen3-MoE"}
-
 DRAFT_FILE = "draft.gguf"
 OUTTYPE = "f32"  # the drafter's weights are trained in fp32; f32 keeps the exported logits ours
 # gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes
@@ -58,60 +49,28 @@ print(json.dumps({"arch": arch, "target_layers": [int(layers.parts[i][0]) for i 
 
 def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
     """draft.gguf in `folder`: `write_layout(src, stage, target, fmt)` writes the kind's convertible folder, which
-    llama.cpp's converter reads with the target's own folder beside it (its config and tokenizer)."""
-    spec = src.kind.export.llamacpp
+    llama.cpp's converter reads with the target's own folder beside it (its config and tokenizer). The kind's
+    `export.llamacpp` record says what is checked before and after."""
+    engine = src.kind.export.llamacpp
     if target.folder is None:
         raise SpecdrafterError(f"--format gguf reads the target's config.json and tokenizer, and {target.name!r} is not "
                                "on this machine (export on the machine that trained it, or fetch the target first)")
     llamacpp.converter()  # one line, before anything is written, if llama.cpp is not installed
-    check_target(spec.spec_type, src.kind.description, target.folder)
-    if not spec.pruned_vocab and pruned_vocabulary(src.drafter):
+    target_config = json.loads((Path(target.folder) / "config.json").read_text())
+    engine.check_target((target_config.get("architectures") or ["?"])[0], src.kind.description)
+    if not engine.pruned_vocab and pruned_vocabulary(src.drafter):
         raise SpecdrafterError(f"--format gguf: llama.cpp's converter keeps no pruned draft vocabulary for "
                                f"{src.kind.description} (it maps no d2t); train it with the full vocabulary "
                                "(drafter.block.draft_vocab_size=0)")
     stage = temp_dir_beside(folder / "hf")
     try:
-        write_layout(src, stage, target, spec.converts)
+        write_layout(src, stage, target, engine.converts)
         config = json.loads((stage / "config.json").read_text())
-        if spec.spec_type == "draft-eagle3":
-            check_eagle3_biases(config)
-        if spec.spec_type == "draft-simple" and set(config.get("layer_types") or ["?"]) == {"linear_attention"}:
-            raise SpecdrafterError("--format gguf: this draft model's layers are all linear_attention, and "
-                                   "llama-server aborts at start-up on a model with no KV-cache layer "
-                                   "(GGML_ASSERT(buffer)); train it with enough layers to include an attention one "
-                                   "(drafter.num_layers)")
-        if spec.spec_type == "draft-eagle3" and not config.get("eagle_aux_hidden_state_layer_ids"):
-            raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
-                                   "converter would serve the head on its default layers")
+        engine.check_config(config)
         llamacpp.convert(stage, folder / DRAFT_FILE, target.folder, OUTTYPE)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    check_gguf(folder / DRAFT_FILE, trained_layers(config, spec.spec_type), config)
-
-
-def check_target(spec_type: str, description: str, target_folder: Path) -> None:
-    """One line for a target llama.cpp cannot serve this drafter beside (NO_LAYER_INPUTS, BLOCK_CONVERTER_FAILS), and
-    for an EAGLE-3 head with attention biases (copied from a target that has them, e.g. gpt-oss): llama.cpp's EAGLE-3
-    layer has none, and refuses to load the GGUF."""
-    config = json.loads((Path(target_folder) / "config.json").read_text())
-    arch = (config.get("architectures") or ["?"])[0]
-    if spec_type == "draft-simple":
-        return
-    if arch in NO_LAYER_INPUTS:
-        raise SpecdrafterError(f"--format gguf: llama.cpp {llamacpp.SDIST.version} cannot serve {description} beside a "
-                               f"{NO_LAYER_INPUTS[arch]} target ({arch}): its graph for that target does not expose the "
-                               "layer inputs the drafter reads (llama-server aborts); a draft model serves there")
-    if arch in BLOCK_CONVERTER_FAILS and spec_type in ("draft-dflash", "draft-dspark"):
-        raise SpecdrafterError(f"--format gguf: llama.cpp {llamacpp.SDIST.version}'s converter fails on {description} "
-                               f"for a {BLOCK_CONVERTER_FAILS[arch]} target ({arch}: its vocabulary code cannot be "
-                               "called from the DFlash class); EAGLE-3 and a draft model convert there")
-
-
-def check_eagle3_biases(config: dict) -> None:
-    if config.get("attention_bias"):
-        raise SpecdrafterError("--format gguf: this EAGLE-3 head has attention biases (attention_bias true, as its "
-                               "target has), and llama.cpp's EAGLE-3 layer has none: train the head with "
-                               "drafter.eagle.attention_bias=false to serve it in llama.cpp")
+    check_gguf(folder / DRAFT_FILE, engine.trained_layers(config), config)
 
 
 def pruned_vocabulary(drafter: Path) -> bool:
@@ -128,15 +87,6 @@ def read_gguf(path: Path) -> dict:
     if done.returncode != 0:
         raise SpecdrafterError(f"{str(path)!r} does not read back as GGUF ({done.stderr.strip().splitlines()[-1:]})")
     return json.loads(done.stdout)
-
-
-def trained_layers(config: dict, spec_type: str) -> List[int] | None:
-    """The target layers the converted folder's drafter reads, as layer inputs (None: it reads none)."""
-    if spec_type == "draft-eagle3":
-        return list(config["eagle_aux_hidden_state_layer_ids"])
-    if "dflash_config" in config:  # DFlash's layer outputs
-        return [k + 1 for k in config["dflash_config"]["target_layer_ids"]]
-    return None
 
 
 def check_gguf(path: Path, layers: List[int] | None, config: dict) -> None:

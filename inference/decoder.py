@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from specdrafter.core.recipe import ASDConfig, TypicalConfig
+from specdrafter.core.recipe import ASDConfig, TypicalConfig, is_tree
 from specdrafter.inference.autotune import BlockLengthTuner, PassCosts, TreeSizeTuner
 from specdrafter.inference.decode import GenerationResult, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate
@@ -79,7 +79,7 @@ def build_decoder(inference: DictConfig, target: nn.Module, proposer: Proposer, 
     tuned every cycle, an auto-sized dynamic tree. `costs` (the target's pass costs, measured by the job) spares the
     decoder's own tuners their calibration; `record_tv` audits α = 1 − D_TV on the exact chain."""
     verifier = inference.verifier.value
-    tree = bool(inference.tree or inference.dynamic_tree.total_tokens)
+    tree = is_tree(inference)
     dyn = inference.dynamic_tree
     auto = inference.k == "auto" and not tree
     return Decoder(

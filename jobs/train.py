@@ -544,11 +544,12 @@ def _run_id(out: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def train_command(any_kind: bool = False) -> None:
+def train_command(trainer: Optional[str] = None) -> None:
     """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume. The recipe's
-    drafter kind must be one this script trains (kinds/: launcher), or any trainable kind with `any_kind`."""
-    script = Path(sys.argv[0]).name
-    kinds = [k for k in KINDS.values() if k.trainable] if any_kind else trainable_by(script)
+    drafter kind must be one of the training family `trainer` (kinds/: trainer; launch/train_<trainer>.py), or any
+    trainable kind when None."""
+    kinds = trainable_by(trainer) if trainer else [k for k in KINDS.values() if k.trainable]
+    script = f"launch/train_{trainer}.py" if trainer else "python -m specdrafter.jobs.train"
 
     def check(cfg: DictConfig) -> None:
         kind = kind_of(cfg)
@@ -565,4 +566,4 @@ def train_command(any_kind: bool = False) -> None:
 
 
 if __name__ == "__main__":  # python -m specdrafter.jobs.train (eval/scaling.py, benchmarks/bench_train.py)
-    train_command(any_kind=True)
+    train_command()

@@ -26,8 +26,8 @@ from specdrafter.kinds.medusa import Medusa
 KINDS: Dict[str, Kind] = {k.name: k for k in (Eagle3(), Eagle1(), Medusa(), DFlash(), DSpark(), DraftModel(),
                                                SelfDraft())}
 
-__all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "drafter_path", "check_drafter_folder",
-           "build_drafter", "check_recipe", "newest_trained", "feature_layers", "trainable_by"]
+__all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "kind_of_gguf", "drafter_path",
+           "check_drafter_folder", "build_drafter", "check_recipe", "newest_trained", "feature_layers", "trainable_by"]
 
 
 def kind_of(cfg: DictConfig) -> Kind:
@@ -38,6 +38,12 @@ def kind_of(cfg: DictConfig) -> Kind:
 def kind_of_config(config: dict) -> Optional[Kind]:
     """The kind a drafter folder's config.json describes (None: not recognised)."""
     return next((k for k in KINDS.values() if k.recognises(config)), None)
+
+
+def kind_of_gguf(facts: dict) -> Optional[Kind]:
+    """The kind a drafter GGUF holds (export/gguf.py:read_gguf's facts), asked of the kinds llama.cpp serves in the
+    table's order (a draft model, of any architecture, last); None: no kind llama.cpp serves."""
+    return next((k for k in KINDS.values() if k.export and k.export.llamacpp and k.export.llamacpp.serves(facts)), None)
 
 
 def check_recipe(cfg: DictConfig) -> None:
@@ -121,6 +127,6 @@ def check_drafter_folder(folder: Path, kind: Kind) -> None:
                                f"'drafter.kind' is {kind.name}")
 
 
-def trainable_by(script: str) -> List[Kind]:
-    """The kinds a launch/ training script trains."""
-    return [k for k in KINDS.values() if k.launcher == script]
+def trainable_by(trainer: str) -> List[Kind]:
+    """The kinds of a training family (what launch/train_<trainer>.py trains)."""
+    return [k for k in KINDS.values() if k.trainer == trainer]

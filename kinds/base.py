@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tu
 from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.llamacpp import SDIST
 from specdrafter.core.recipe import EvalVerifier, RecipeError
 
 if TYPE_CHECKING:  # annotations only: importing the protocol loads no torch, transformers or peft
@@ -51,10 +52,50 @@ class Family(Enum):
 
 @dataclass(frozen=True)
 class LlamaCpp:
-    """How llama.cpp serves a kind: `--format gguf` converts the `converts` export with llama.cpp's own converter."""
+    """How llama.cpp serves a kind, asked by `--format gguf` (export/gguf.py) and by serving (serve/): the
+    --spec-type, the export its converter reads, the checks before converting, the target layers the GGUF must read
+    back, how a GGUF of this kind is recognised, the longest block one step drafts and whether llama.cpp's
+    confidence cut (--spec-draft-p-min) applies. This default is a drafter that reads the target's layer inputs."""
     spec_type: str  # llama-server --spec-type
     converts: str  # the --format whose folder convert_hf_to_gguf.py reads
+    gguf_arch: Optional[str] = None  # the GGUF's general.architecture (None: any, a draft model)
     pruned_vocab: bool = True  # its converter keeps a pruned draft vocabulary (d2t)
+    reads_layer_inputs: bool = True  # it reads the target's hidden states, so the target's graph must expose them
+    max_k: int = 8  # the longest chain it is planned with (a block drafter: its block, from the GGUF)
+
+    def serves(self, facts: dict) -> bool:
+        """Whether a GGUF (export/gguf.py:read_gguf's facts) holds a drafter of this kind."""
+        return facts["arch"] == self.gguf_arch
+
+    def check_target(self, arch: str, description: str) -> None:
+        """One line for a target (its HF architecture) llama.cpp cannot serve this drafter beside."""
+        if self.reads_layer_inputs and arch in NO_LAYER_INPUTS:
+            raise SpecdrafterError(f"--format gguf: llama.cpp {SDIST.version} cannot serve {description} beside a "
+                                   f"{NO_LAYER_INPUTS[arch]} target ({arch}): its graph for that target does not expose "
+                                   "the layer inputs the drafter reads (llama-server aborts); a draft model serves there")
+
+    def check_config(self, config: dict) -> None:
+        """One line for a converted folder (its config.json) that llama.cpp would not serve as trained."""
+
+    def trained_layers(self, config: dict) -> Optional[List[int]]:
+        """The target layers (as layer inputs) the converted folder's drafter reads; None: it reads none."""
+        return None
+
+    def longest_block(self, facts: dict) -> int:
+        """The most draft tokens one step can take for the GGUF with these facts."""
+        return self.max_k
+
+    def confidence_cut(self, facts: dict) -> bool:
+        """Whether llama-server takes --spec-draft-p-min > 0 for this GGUF."""
+        return True
+
+
+# What llama.cpp (11434) cannot serve a drafter that reads layer inputs beside, by the target's HF architecture, found
+# by serving tiny random models of each (tests/test_llamacpp_targets.py): its graphs for these targets never expose
+# the layer inputs an EAGLE-3, DFlash or DSpark drafter reads, and llama-server aborts at its first request ("layer
+# input tensor is null").
+NO_LAYER_INPUTS = {"Gemma3ForCausalLM": "Gemma 3", "Gemma3ForConditionalGeneration": "Gemma 3",
+                   "DeepseekV3ForCausalLM": "DeepSeek-V3"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +112,7 @@ class Kind:
     name: str  # the recipe's drafter.kind
     description: str  # "an EAGLE-3 head": how messages name what a folder holds
     title: str = "Drafter"  # "EAGLE-3 draft head": model cards' and reports' heading
-    launcher: Optional[str] = None  # the launch/ script that trains it; None: not trainable
+    trainer: Optional[str] = None  # the training family it belongs to (launch/train_<trainer>.py); None: not trainable
     recipe: Optional[str] = None  # the SmolLM2 recipe (recipes/) that trains it: benchmarks and conformance start there
     needs_folder: bool = True  # decoding needs drafter.path (a self-draft is built from the target)
     export: Optional[Export] = None  # None: no export (`no_export` says why)
@@ -83,7 +124,12 @@ class Kind:
 
     @property
     def trainable(self) -> bool:
-        return self.launcher is not None
+        return self.trainer is not None
+
+    @property
+    def launcher(self) -> Optional[str]:
+        """The launch/ script that trains it, which names its family: `train_command(trainer)`."""
+        return f"train_{self.trainer}.py" if self.trainer else None
 
     @property
     def formats(self) -> Tuple[str, ...]:

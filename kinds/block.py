@@ -8,6 +8,8 @@ from typing import Dict, List
 import torch
 from omegaconf import DictConfig
 
+from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.llamacpp import SDIST
 from specdrafter.core.recipe import EvalVerifier, RecipeError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
@@ -17,16 +19,52 @@ from specdrafter.models.block import (
     DSPARK,
     BlockDrafter,
     Variant,
-    block_variant,
     default_aux_layer_ids,
-    load_block_drafter,
 )
+from specdrafter.models.block_folders import block_variant, load_block_drafter
 from specdrafter.train import memory
 from specdrafter.train.block import BlockTrainingDrafter, drafter_config
 
 BLOCK_FORMATS = ("vllm", "sglang", "speculators")
+# llama.cpp's converter fails on a block drafter for these targets: its DFlash/DSpark class calls the target's
+# vocabulary code as its own method, which fails (TypeError from super()) where that code is Qwen3-MoE's.
+BLOCK_CONVERTER_FAILS = {"Qwen3MoeForCausalLM": "Qwen3-MoE"}
+
+
+@dataclass(frozen=True)
+class BlockLlamaCpp(LlamaCpp):
+    """llama.cpp's DFlash graph, which DSpark extends with its Markov and confidence heads (both GGUFs say `dflash`
+    as their architecture; a DSpark one holds Markov tensors)."""
+    markov: bool = False  # DSpark
+
+    def serves(self, facts: dict) -> bool:
+        return facts["arch"] == self.gguf_arch and self.markov == any("markov" in t for t in facts["tensors"])
+
+    def check_target(self, arch: str, description: str) -> None:
+        super().check_target(arch, description)
+        if arch in BLOCK_CONVERTER_FAILS:
+            raise SpecdrafterError(f"--format gguf: llama.cpp {SDIST.version}'s converter fails on {description} "
+                                   f"for a {BLOCK_CONVERTER_FAILS[arch]} target ({arch}: its vocabulary code cannot be "
+                                   "called from the DFlash class); EAGLE-3 and a draft model convert there")
+
+    def trained_layers(self, config: dict) -> List[int]:
+        return [k + 1 for k in config["dflash_config"]["target_layer_ids"]]  # layer outputs, as layer inputs
+
+    def longest_block(self, facts: dict) -> int:
+        """The block's drafts: DFlash's anchor is not a draft; DSpark's anchor slot drafts when it samples from it."""
+        block = facts["fields"].get("dflash.block_size")
+        if block is None:
+            return self.max_k
+        anchor_drafts = self.markov and facts["fields"].get("dflash.sample_from_anchor", True)
+        return int(block) if anchor_drafts else int(block) - 1
+
+    def confidence_cut(self, facts: dict) -> bool:
+        """llama-server refuses --spec-draft-p-min > 0 for a DSpark drafter trained without its confidence head."""
+        return not self.markov or bool(facts["fields"].get("dflash.has_confidence_head", True))
+
+
 # llama.cpp's DFlash converter maps no d2t (its DSpark converter does)
-DFLASH_LLAMACPP = LlamaCpp("draft-dflash", converts="vllm", pruned_vocab=False)
+DFLASH_LLAMACPP = BlockLlamaCpp("draft-dflash", converts="vllm", gguf_arch="dflash", pruned_vocab=False)
 
 
 @dataclass(frozen=True)
@@ -42,7 +80,7 @@ class BlockEngines:
 
 class BlockKind(Kind):
     """What DFlash and DSpark share; `variant` is the model's (models/block.py), and its name the kind's."""
-    launcher = "train_block.py"
+    trainer = "block"
     trees = ()
     variant: Variant  # whether the anchor slot drafts (label_shift), whether the DSpark heads exist, class names
     engines: BlockEngines
@@ -181,7 +219,8 @@ class DSpark(BlockKind):
     description = "a DSpark block drafter"
     recipe = "smollm2-135m-dspark.yaml"
     title = "DSpark block drafter"
-    export = Export(Family.block, BLOCK_FORMATS, card_tag="dspark", llamacpp=LlamaCpp("draft-dspark", converts="vllm"))
+    export = Export(Family.block, BLOCK_FORMATS, card_tag="dspark", llamacpp=BlockLlamaCpp("draft-dspark", converts="vllm",
+                                                                                             gguf_arch="dflash", markov=True))
     # vLLM 0.25-0.27 have the class but skip the confidence head's weights
     engines = BlockEngines("dspark", "DSPARK", vllm_since="0.28.0",
                            sglang_since="0.5.16", speculators_since="0.7.0")

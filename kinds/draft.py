@@ -27,6 +27,20 @@ from specdrafter.train.drafters import DraftModelDrafter
 from specdrafter.train.memory import Shapes
 
 
+class DraftLlamaCpp(LlamaCpp):
+    """llama.cpp's draft-simple: a draft model of any architecture, reading tokens only."""
+
+    def serves(self, facts: dict) -> bool:
+        return True  # any GGUF no other kind claims (the table asks this kind last)
+
+    def check_config(self, config: dict) -> None:
+        if set(config.get("layer_types") or ["?"]) == {"linear_attention"}:
+            raise SpecdrafterError("--format gguf: this draft model's layers are all linear_attention, and "
+                                   "llama-server aborts at start-up on a model with no KV-cache layer "
+                                   "(GGML_ASSERT(buffer)); train it with enough layers to include an attention one "
+                                   "(drafter.num_layers)")
+
+
 class CausalDraft(Kind):
     """What a draft model and the self-draft share: a causal LM with the target's vocabulary (`assistant_model`)
     drafting on its own."""
@@ -56,9 +70,10 @@ class DraftModel(CausalDraft):
     name = "draft_model"
     description = "a draft model"
     title = "Draft model"
-    launcher = "train_draft.py"
+    trainer = "draft"
     recipe = "smollm2-135m-draft.yaml"
-    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model", llamacpp=LlamaCpp("draft-simple", converts="hf-draft"))
+    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model", llamacpp=DraftLlamaCpp("draft-simple", converts="hf-draft",
+                                                                                        reads_layer_inputs=False))
     plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
 
     def recognises(self, config: dict) -> bool:

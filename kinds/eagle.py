@@ -8,6 +8,7 @@ from typing import Callable, Dict, List
 import torch
 from omegaconf import DictConfig
 
+from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import EvalVerifier
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
 from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
@@ -27,9 +28,25 @@ DEFAULT_DYNAMIC_TREE = {"total_tokens": 16, "depth": 4, "top_k": 4}  # the bench
 AUTO_DYNAMIC_TREE = {"total_tokens": 32, "depth": 5, "top_k": 6}  # candidates the bench's tree-size tuner sizes from
 
 
+class Eagle3LlamaCpp(LlamaCpp):
+    """llama.cpp's EAGLE-3 graph: the aux layers from the folder's top-level key, no attention biases."""
+
+    def check_config(self, config: dict) -> None:
+        if config.get("attention_bias"):
+            raise SpecdrafterError("--format gguf: this EAGLE-3 head has attention biases (attention_bias true, as its "
+                                   "target has), and llama.cpp's EAGLE-3 layer has none: train the head with "
+                                   "drafter.eagle.attention_bias=false to serve it in llama.cpp")
+        if not config.get("eagle_aux_hidden_state_layer_ids"):  # the only key its converter reads
+            raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
+                                   "converter would serve the head on its default layers")
+
+    def trained_layers(self, config: dict) -> List[int]:
+        return list(config["eagle_aux_hidden_state_layer_ids"])
+
+
 class EagleHead(Kind):
     """What EAGLE-1 and EAGLE-3 share: one head beside the target, decoding as a chain or a dynamic tree."""
-    launcher = "train_eagle.py"
+    trainer = "eagle"
     trees = ("dynamic",)
     load: Callable  # (folder, dtype) → the head
 
@@ -57,7 +74,7 @@ class Eagle3(EagleHead):
     title = "EAGLE-3 draft head"
     recipe = "smollm2-135m-eagle3.yaml"
     export = Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3",
-                    llamacpp=LlamaCpp("draft-eagle3", converts="vllm"))
+                    llamacpp=Eagle3LlamaCpp("draft-eagle3", converts="vllm", gguf_arch="eagle3"))
     memory_fixes = {"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}
     load = staticmethod(load_eagle3)
 

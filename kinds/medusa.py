@@ -23,7 +23,7 @@ DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # the 
 class Medusa(Kind):
     name = "medusa"
     description = "Medusa heads"
-    launcher = "train_medusa.py"
+    trainer = "medusa"
     recipe = "smollm2-135m-medusa.yaml"
     title = "Medusa heads"
     export = Export(Family.medusa, ("medusa-vllm", "medusa"), card_tag="medusa")

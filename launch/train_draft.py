@@ -9,4 +9,4 @@ Rerun the same command after an interruption to resume from the last checkpoint.
 from specdrafter.jobs.train import train_command
 
 if __name__ == "__main__":
-    train_command()
+    train_command("draft")  # the kinds whose trainer is "draft"

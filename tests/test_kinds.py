@@ -118,7 +118,8 @@ def test_no_module_outside_the_kinds_table_branches_on_a_kind_name():
 
 
 # Tables the scan allows, each keyed by what a saved file says rather than by a recipe's kind.
-ALLOWED_TABLES = {"specdrafter.models.block.VARIANTS": "config.json's `variant`, read where a folder is loaded"}
+ALLOWED_TABLES = {"specdrafter.models.block.VARIANTS": "config.json's `variant`, read where a folder is loaded",
+                  "specdrafter.models.block_folders.VARIANTS": "the same table, imported where folders are read"}
 
 
 def tables_of_kind_names(module: types.ModuleType) -> list:
@@ -156,3 +157,52 @@ def test_no_module_outside_the_kinds_table_holds_a_table_of_kind_names():
             scanned += 1
     assert scanned > 40
     assert not offenders, "decide these through kinds/ (the kind's attributes and methods):\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------- llama.cpp's names for the kinds
+ENGINE_RECORDS = [k.export.llamacpp for k in KINDS.values() if k.export and k.export.llamacpp]
+SPEC_TYPES = {r.spec_type for r in ENGINE_RECORDS}  # llama-server's --spec-type of each kind it serves
+GGUF_ARCHS = {r.gguf_arch for r in ENGINE_RECORDS if r.gguf_arch}  # general.architecture of their GGUFs
+
+
+def llamacpp_branches(source: str) -> list:
+    """(line, what) of every comparison with a llama.cpp --spec-type, every comparison of something named `arch` with
+    a drafter GGUF's architecture, and every table keyed by either: decisions that belong to the kind's LlamaCpp
+    record."""
+    def strings(node) -> set:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(strings(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            held = set().union(*(strings(x) for x in operands))
+            if held & SPEC_TYPES:
+                found.append((node.lineno, f"compares with {sorted(held & SPEC_TYPES)}"))
+            elif held & GGUF_ARCHS and any("arch" in ast.unparse(x) for x in operands):
+                found.append((node.lineno, f"compares an architecture with {sorted(held & GGUF_ARCHS)}"))
+        elif isinstance(node, ast.Dict) and node.keys:
+            held = set().union(*(strings(k) for k in node.keys if k is not None))
+            if held & (SPEC_TYPES | GGUF_ARCHS):
+                found.append((node.lineno, f"a table keyed by {sorted(held & (SPEC_TYPES | GGUF_ARCHS))}"))
+    return found
+
+
+def test_the_llamacpp_scan_finds_a_branch():
+    assert llamacpp_branches('if spec == "draft-eagle3":\n    pass\n') == [(1, "compares with ['draft-eagle3']")]
+    assert llamacpp_branches('ok = spec in ("draft-dflash", "draft-dspark")\n')
+    assert llamacpp_branches('if facts["arch"] == "dflash": pass\n')
+    assert llamacpp_branches('SPEC = {"eagle3": "draft-eagle3"}\n')
+    assert not llamacpp_branches('if fmt == "vllm": pass\nargs = ["--spec-type", spec]\n')
+
+
+def test_no_module_outside_the_kinds_table_branches_on_a_llamacpp_name():
+    offenders = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            offenders += [f"{path.relative_to(REPO)}:{line}: {what}" for line, what in llamacpp_branches(path.read_text())]
+    assert not offenders, "ask the kind's export.llamacpp record instead:\n" + "\n".join(offenders)
