@@ -39,7 +39,8 @@ def saved_pair(kind: str, root: Path) -> list:
         folder = save_eagle3(Eagle3Head(eagle3_config(target.config, [2, 4, 6], len(tok))), root / "drafter")
         drafter = ["drafter.eagle.aux_layer_ids=[2,4,6]"]
     else:
-        from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, save_block_drafter
+        from specdrafter.models.block import VARIANTS, BlockDrafter, block_config
+        from specdrafter.models.block_folders import save_block_drafter
         config = block_config(target.config, VARIANTS[kind], num_layers=1, block_size=4, aux_layer_ids=[2, 4])
         folder = save_block_drafter(BlockDrafter(config), root / "drafter")
         drafter = ["drafter.block.block_size=4", "drafter.block.aux_layer_ids=[2,4]"]

@@ -35,7 +35,8 @@ from safetensors import safe_open
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.core.weights import save_weights
 from specdrafter.export.layer_config import with_rope_keys
-from specdrafter.models.block import BlockDrafter, load_block_drafter
+from specdrafter.models.block import BlockDrafter
+from specdrafter.models.block_folders import load_block_drafter
 
 if TYPE_CHECKING:  # annotations only
     from specdrafter.export.source import Source, Target

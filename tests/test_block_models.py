@@ -20,10 +20,9 @@ from specdrafter.models.block import (
     context_mask,
     copy_target_layers,
     default_aux_layer_ids,
-    load_block_drafter,
-    save_block_drafter,
     slot_mask,
 )
+from specdrafter.models.block_folders import load_block_drafter, save_block_drafter
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
 from specdrafter.models.features import capture_features
 

@@ -354,7 +354,8 @@ def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
 def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
     """runs/<variant>/ as the comparison's training leaves it: a tiny block drafter's checkpoint, its trainer_state
     with its tokens and seconds, then its evaluation (eval/results.json) by the eval job. Returns the checkpoint."""
-    from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, save_block_drafter
+    from specdrafter.models.block import VARIANTS, BlockDrafter, block_config
+    from specdrafter.models.block_folders import save_block_drafter
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     torch.manual_seed(0)
     drafter = BlockDrafter(block_config(target.config, VARIANTS[variant], num_layers=1, block_size=4, aux_layer_ids=[1], **extra))

@@ -18,14 +18,8 @@ from transformers import LlamaForCausalLM
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.models.block import (
-    DSPARK,
-    VARIANTS,
-    BlockDrafter,
-    block_config,
-    load_block_drafter,
-    save_block_drafter,
-)
+from specdrafter.models.block import DSPARK, VARIANTS, BlockDrafter, block_config
+from specdrafter.models.block_folders import load_block_drafter, save_block_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 V, L, B, R = 512, 6, 4, 8  # target vocabulary and layers, block size, Markov rank
@@ -338,7 +332,7 @@ def test_a_block_drafter_refuses_another_kinds_format_in_one_line(tmp_path, chec
 def test_an_engine_folder_loads_back_as_the_drafter_it_came_from(tmp_path, checkpoint, target, variant, pruned, fmt):
     """z-lab / DeepSpec / speculators folders decode here too: every tensor and the drafts of one block are ours."""
     from specdrafter.kinds import KINDS, kind_of_config
-    from specdrafter.models.block import load_block_drafter
+    from specdrafter.models.block_folders import load_block_drafter
     folder, drafter = checkpoint(variant, pruned)
     out = export(folder, fmt, tmp_path / fmt)
     assert kind_of_config(config(out)) is KINDS[variant]

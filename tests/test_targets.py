@@ -43,7 +43,8 @@ from specdrafter.inference.sampling import SamplingParams
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds.base import Family
-from specdrafter.models.block import VARIANTS, BlockDrafter, block_config, load_block_drafter
+from specdrafter.models.block import VARIANTS, BlockDrafter, block_config
+from specdrafter.models.block_folders import load_block_drafter
 from specdrafter.models.eagle import Eagle3Head, eagle3_config, load_eagle3
 from specdrafter.models.features import capture_features
 from specdrafter.models.targets import LINEAR, SLIDING, check_architecture, layer_types, tiny_config

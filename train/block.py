@@ -30,9 +30,9 @@ from specdrafter.models.block import (
     Variant,
     block_config,
     copy_target_layers,
-    save_block_drafter,
     token_windows,
 )
+from specdrafter.models.block_folders import save_block_drafter
 from specdrafter.train.batches import Batch
 from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput
 from specdrafter.train.eagle import build_draft_vocab
