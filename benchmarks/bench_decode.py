@@ -39,7 +39,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, EvalVerifier, as_chain
+from specdrafter.core.recipe import DrafterKind, EvalVerifier
+from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval import llamacpp as llama_arm

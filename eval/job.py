@@ -76,7 +76,8 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
-from specdrafter.core.recipe import ASDConfig, EvalVerifier, as_chain, save_recipe
+from specdrafter.core.recipe import ASDConfig, EvalVerifier, save_recipe
+from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.eval.acceptance import (

@@ -18,7 +18,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from specdrafter.core.recipe import ASDConfig, TypicalConfig, is_tree
+from specdrafter.core.recipe import ASDConfig, TypicalConfig
+from specdrafter.core.recipe_checks import is_tree
 from specdrafter.inference.autotune import BlockLengthTuner, PassCosts, TreeSizeTuner
 from specdrafter.inference.decode import GenerationResult, speculative_generate, tree_speculative_generate
 from specdrafter.inference.medusa import typical_generate

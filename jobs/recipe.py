@@ -1,7 +1,7 @@
 """The checked recipe: what every job receives. `load_recipe` reads a YAML file; `checked_recipe` is the one
 constructor, for a file's mapping and for a recipe a job changes. Both run every check — the schema's and each
-section's (core/recipe.py:typed_recipe), then the drafter kind's (kinds/: check_recipe) — once, where the recipe
-enters; everything that receives one trusts it."""
+section's (core/recipe_checks.py:typed_recipe), then the drafter kind's (kinds/: check_recipe) — once, where the
+recipe enters; everything that receives one trusts it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import List
 
 from omegaconf import DictConfig
 
-from specdrafter.core.recipe import RecipeError, read_yaml, typed_recipe
+from specdrafter.core.recipe import RecipeError, read_yaml
+from specdrafter.core.recipe_checks import typed_recipe
 from specdrafter.kinds import check_recipe
 
 

@@ -122,11 +122,12 @@ def test_the_package_imports_nothing_of_the_benchmarks():
 
 
 def test_the_protocol_and_the_recipe_load_no_ml_library():
-    """kinds/base.py (the Kind protocol), core/recipe.py and core/io.py import no torch, transformers or peft: a tool
-    that only reads recipes or the protocol (a linter, a docs build) need not load them. The protocol's file is
-    loaded on its own, without the `specdrafter.kinds` package, whose __init__ imports the kinds themselves."""
+    """kinds/base.py (the Kind protocol), core/recipe.py, core/recipe_checks.py and core/io.py import no torch,
+    transformers or peft: a tool that only reads recipes or the protocol (a linter, a docs build) need not load them.
+    The protocol's file is loaded on its own, without the `specdrafter.kinds` package, whose __init__ imports the
+    kinds themselves."""
     code = ("import importlib.util, sys\n"
-            "import specdrafter.core.io, specdrafter.core.recipe\n"
+            "import specdrafter.core.io, specdrafter.core.recipe, specdrafter.core.recipe_checks\n"
             f"spec = importlib.util.spec_from_file_location('protocol', {str(REPO / 'kinds' / 'base.py')!r})\n"
             "module = sys.modules['protocol'] = importlib.util.module_from_spec(spec)\n"
             "spec.loader.exec_module(module)\n"

@@ -6,7 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from specdrafter.core.recipe import OBJECTIVES, Recipe
+from specdrafter.core.recipe import Recipe
+from specdrafter.core.recipe_checks import OBJECTIVES
 from specdrafter.train.memory import OBJECTIVE_BYTES, objective_bytes
 from specdrafter.train.objectives import DIVERGENCES, Objective, distill_loss, feature_loss, per_position
 
@@ -184,7 +185,7 @@ def test_unknown_objective_raises():
 
 # ------------------------------------------------------------------------------------------ the recipe's objective
 def test_the_schema_the_loss_and_the_planner_name_the_same_objectives():
-    """core/recipe.py's OBJECTIVES (what a recipe may weight, checked before train/ loads) are the loss's dispatch
+    """core/recipe_checks.py's OBJECTIVES (what a recipe may weight, checked before train/ loads) are the loss's dispatch
     table and the memory model's table, no more and no fewer."""
     assert tuple(DIVERGENCES) == OBJECTIVES
     assert set(OBJECTIVE_BYTES) == set(OBJECTIVES)

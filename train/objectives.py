@@ -95,7 +95,7 @@ Divergence = Callable[[Tensor, Tensor, float], Tensor]
 """(log p [..., V], log q [..., V], jsd β) → the objective at every position [...]."""
 
 # The objectives train.objective may weight, by name. The recipe schema checks those keys against
-# core/recipe.py:OBJECTIVES before anything under train/ is imported (core/ cannot import train/);
+# core/recipe_checks.py:OBJECTIVES before anything under train/ is imported (core/ cannot import train/);
 # tests/test_objectives.py pins the two to the same names.
 DIVERGENCES: Dict[str, Divergence] = {
     "tv": lambda log_p, log_q, beta: total_variation(log_p, log_q),
