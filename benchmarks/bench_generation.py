@@ -5,7 +5,7 @@
 
 Three arms on the same chat-templated ShareGPT prompts, in one process, interleaved (arm order rotates every
 repeat), median of the repeats:
-  ours         the data job's in-process engine (`specdrafter.data.regenerate.sample_responses`: length-bucketed
+  ours         the data job's in-process engine (`specdrafter.data.hf_engine.sample_responses`: length-bucketed
                batches, finished rows leave the batch, top-p from a top-64 cut) at the recipe's temperature / top-p
   hf_generate  transformers' `model.generate` on the same batches (what the data job used before)
   forward      the teacher-forced forward of the backbone over prompt + response sequences of the same lengths
@@ -38,7 +38,7 @@ from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.assets import load_prompt_set, load_target, resolve_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
-from specdrafter.data.regenerate import generate_responses
+from specdrafter.data.hf_engine import generate_responses
 from specdrafter.data.server import ServerEngine
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.recipe import load_recipe

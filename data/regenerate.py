@@ -13,535 +13,56 @@ features and, at training time, the logits), `mix` does both in the share `data.
 
 A shard is published by renaming a finished temp folder, so a kill -9 loses at most the shard in progress;
 rerunning the same command keeps every valid shard and generates only the missing ones.
+
+This file is the job (`generate_dataset`) and the order of its steps; each step's substance is in its own module:
+which prompts (data/prompt_selection.py), the in-process engine (data/hf_engine.py; servers: data/server.py), the
+rows turn by turn (data/conversations.py), and the shard and hidden-state files (data/shards.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import datasets
-import jinja2
 import torch
-from omegaconf import DictConfig, OmegaConf
-from safetensors import safe_open
-from safetensors.torch import save_file
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specdrafter.core import llamacpp
-from specdrafter.core.io import (
-    SpecdrafterError,
-    atomic_write_json,
-    checksum_problem,
-    claim,
-    file_checksums,
-    first_line,
-    json_file_problem,
-    publish_dir,
-    remove_stale_temps,
-    temp_dir_beside,
-)
+from specdrafter.core.io import SpecdrafterError, atomic_write_json, claim, remove_stale_temps
 from specdrafter.core.recipe import save_recipe
 from specdrafter.data.assets import load_prompt_set, load_target
-from specdrafter.data.chat import (
-    Thinking,
-    assistant_message,
-    chat_ids,
-    eos_token_ids,
-    thinking_format,
-    thinking_mask,
-    user_prompt_ids,
-)
+from specdrafter.data.chat import eos_token_ids, user_prompt_ids
+from specdrafter.data.conversations import build_conversations, untrained_thinking
+from specdrafter.data.hf_engine import HFEngine
+from specdrafter.data.prompt_selection import PromptSelection, evaluation_texts, select_prompts
 from specdrafter.data.server import ServerEngine
-from specdrafter.models.features import capture_features, check_layer_ids
-from specdrafter.models.targets import new_cache
+from specdrafter.data.shards import (
+    check_free_space,
+    claim_path,
+    hidden_file_ok,
+    hidden_path,
+    hidden_states_bytes,
+    load_generated,
+    move_aside,
+    settings_fingerprint,
+    shard_name,
+    shard_problem,
+    target_hidden_states,
+    write_hidden,
+    write_shard,
+)
+from specdrafter.models.features import check_layer_ids
 
 log = logging.getLogger("specdrafter")
-datasets.disable_progress_bars()  # one progress bar (ours) is enough
-SHARD_META = "shard.json"
 
 
-# -------------------------------------------------------------------------------------- prompt selection
-@dataclass
-class PromptSelection:
-    prompts: List[dict]  # {"id", "text", "truncated"}
-    counts: Dict[str, int] = field(default_factory=dict)
-
-
-def normalise_text(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def evaluation_texts(names: Sequence[str]) -> List[str]:
-    return [normalise_text(t) for name in names for r in load_prompt_set(name) for t in r["turns"]]
-
-
-def is_eval_prompt(text: str, eval_exact: set, eval_long: List[str]) -> bool:
-    """Equal to an evaluation turn, or containing / contained in a long one (ShareGPT quotes benchmarks)."""
-    return text in eval_exact or any(e in text or (len(text) >= 40 and text in e) for e in eval_long)
-
-
-def select_prompts(records: List[dict], tokenizer, cfg: DictConfig, max_prompt_tokens: int,
-                   eval_texts: Sequence[str]) -> PromptSelection:
-    """First user turns, in a seeded shuffled order: length-filtered, deduplicated, evaluation prompts excluded,
-    over-long ones skipped or truncated per `data.overlong`, until `data.num_conversations` are collected."""
-    counts = dict(considered=0, too_short=0, overlong_skipped=0, truncated=0, duplicates=0, eval_excluded=0)
-    eval_exact = set(eval_texts)
-    eval_long = [e for e in eval_exact if len(e) >= 40]
-    order = list(range(len(records)))
-    random.Random(cfg.seed).shuffle(order)
-    seen, chosen = set(), []
-    for i in order:
-        if len(chosen) == cfg.num_conversations:
-            break
-        counts["considered"] += 1
-        text = records[i]["turns"][0].strip()
-        key = normalise_text(text)
-        if key in seen:
-            counts["duplicates"] += 1
-            continue
-        seen.add(key)
-        if is_eval_prompt(key, eval_exact, eval_long):
-            counts["eval_excluded"] += 1
-            continue
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < cfg.min_prompt_tokens:
-            counts["too_short"] += 1
-            continue
-        truncated = len(ids) > max_prompt_tokens
-        if truncated and cfg.overlong.value == "skip":
-            counts["overlong_skipped"] += 1
-            continue
-        if truncated:
-            counts["truncated"] += 1
-            text = tokenizer.decode(ids[:max_prompt_tokens])
-        chosen.append({"id": records[i]["id"], "text": text, "truncated": truncated, "turns": records[i]["turns"],
-                       "reference": records[i].get("reference")})
-    counts["selected"] = len(chosen)
-    return PromptSelection(chosen, counts)
-
-
-# ------------------------------------------------------------------------------------------- generation
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One token per row of logits [B, V]: argmax at temperature 0, else a draw from softmax(logits / T) cut to
-    its top-p nucleus (a token is dropped when the tokens ranked above it already cover top_p), by CDF inversion.
-
-    The nucleus is looked for among the 64 most likely tokens first and the full vocabulary is sorted only for the
-    rows whose 64 best tokens cover less than top_p, so most rows cost a top-k instead of a 49k-entry sort."""
-    if temperature == 0:
-        return logits.argmax(-1)  # [B]
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    if top_p >= 1:
-        cdf = probs.cumsum(-1)  # [B, V]
-        u = torch.rand(len(probs), 1, generator=generator).to(cdf) * cdf[:, -1:]  # [B, 1]
-        return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)[:, 0]
-    top, ids = torch.topk(probs, min(64, probs.shape[-1]), dim=-1)  # [B, K] descending
-    short = top.sum(-1) < top_p  # [B] rows whose nucleus may reach beyond the 64 best tokens
-    token = torch.empty(len(probs), dtype=torch.long, device=logits.device)
-    token[~short] = draw_from_nucleus(top[~short], ids[~short], top_p, generator)
-    if short.any():
-        token[short] = draw_from_nucleus(*torch.sort(probs[short], dim=-1, descending=True), top_p, generator)
-    return token
-
-
-def draw_from_nucleus(top: torch.Tensor, ids: torch.Tensor, top_p: float,
-                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """A draw per row from probabilities top [B, K] (descending; token ids ids [B, K]) cut to the top-p nucleus."""
-    kept = torch.where(top.cumsum(-1) - top < top_p, top, 0.0)  # [B, K] the nucleus, unnormalised
-    cdf = kept.cumsum(-1)  # [B, K]
-    u = torch.rand(len(top), 1, generator=generator).to(cdf) * cdf[:, -1:]  # [B, 1] (the generator may live on the CPU)
-    pick = torch.searchsorted(cdf, u, right=True).clamp_max(kept.shape[-1] - 1)  # [B, 1]
-    return ids.gather(-1, pick)[:, 0]  # [B]
-
-
-@torch.no_grad()
-def sample_responses(model, prompts: List[List[int]], max_new_tokens: int, temperature: float, top_p: float,
-                     batch_size: int, eos: Sequence[int], pad: int, generator: Optional[torch.Generator] = None,
-                     on_batch: Optional[Callable[[int, int], None]] = None) -> List[List[int]]:
-    """One response per prompt from the target: prompts of similar length batched together (left-padded), one
-    cached forward per step, and a row leaves the batch (its cache rows dropped) as soon as it emits an EOS or
-    reaches max_new_tokens, so finished rows cost nothing while the others go on.
-
-    Returns each response's token ids up to and including the first EOS (no EOS if max_new_tokens was hit), in
-    input order. `on_batch(num_prompts, num_new_tokens)` is called after every batch (progress reporting)."""
-    device = model.device
-    eos_t = torch.tensor(list(eos), device=device)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    responses: List[List[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in batch)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)  # [B, T]
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-        for row, i in enumerate(batch):  # left padding: the last prompt token of every row is at T-1
-            input_ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            attention_mask[row, width - len(prompts[i]):] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # [B, T]
-        cache = new_cache(model)  # a recurrent target's states too (models/targets.py)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-        rows = torch.tensor(batch, device=device)  # [B] which prompt each batch row answers
-        positions = position_ids[:, -1:]  # [B, 1]
-        for step in range(max_new_tokens):
-            token = sample_tokens(logits, temperature, top_p, generator)  # [B]
-            for i, t in zip(rows.tolist(), token.tolist()):
-                responses[i].append(t)
-            done = torch.isin(token, eos_t) | (step + 1 == max_new_tokens)  # [B]
-            if done.all():
-                break
-            if done.any():  # finished rows leave the batch and the cache
-                keep = (~done).nonzero()[:, 0]  # [B']
-                cache.batch_select_indices(keep)
-                rows, token, positions, attention_mask = rows[keep], token[keep], positions[keep], attention_mask[keep]
-            positions = positions + 1
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)  # [B', S+1]
-            logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=positions,
-                           cache=cache, use_cache=True).logits[:, -1]  # [B', V]
-        if on_batch is not None:
-            on_batch(len(batch), sum(len(responses[i]) for i in batch))
-    return responses
-
-
-def generate_responses(model, tokenizer, prompts: List[List[int]], max_new_tokens: int, temperature: float,
-                       top_p: float, batch_size: int, on_batch: Optional[Callable[[int, int], None]] = None,
-                       generator: Optional[torch.Generator] = None) -> List[List[int]]:
-    """`sample_responses` with the target's EOS ids and pad token."""
-    eos = eos_token_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    return sample_responses(model, prompts, max_new_tokens, temperature, top_p, batch_size, eos, pad, generator,
-                            on_batch)
-
-
-class HFEngine:
-    """Regeneration in this process (`data.engine: hf`), with the same `respond` as the serving-engine client."""
-
-    def __init__(self, model, tokenizer, batch_size: int, on_batch: Optional[Callable[[int, int], None]] = None):
-        self.model, self.tokenizer, self.batch_size, self.on_batch = model, tokenizer, batch_size, on_batch
-        self.counters: Dict[str, int] = {}
-
-    def probe(self, temperature: float, top_p: float) -> dict:
-        return {"engine": "hf"}
-
-    def respond(self, messages: List[List[dict]], max_new_tokens: int, temperature: float, top_p: float,
-                seed: int) -> List[List[int]]:
-        prompts = [chat_ids(self.tokenizer, m, True) for m in messages]
-        return generate_responses(self.model, self.tokenizer, prompts, max_new_tokens, temperature, top_p,
-                                  self.batch_size, self.on_batch, torch.Generator().manual_seed(seed))
-
-
-# ------------------------------------------------------------------------------------------ conversations
-@dataclass
-class Conversation:
-    """One conversation being built turn by turn: the ids as the chat template lays them out, and a loss mask
-    that is 1 exactly on the assistant tokens (each closing EOS included)."""
-    prompt: dict  # {"id", "text" (first turn, maybe truncated), "turns", "reference", "truncated", "source"}
-    messages: List[dict] = field(default_factory=list)
-    input_ids: List[int] = field(default_factory=list)
-    loss_mask: List[int] = field(default_factory=list)
-    finished: bool = True  # the last assistant turn ended with EOS
-    open: bool = True  # another turn may follow
-    stop_reason: Optional[str] = None
-    next_ids: List[int] = field(default_factory=list)  # the ids of the context `context` returned last
-    response_tokens: int = 0  # the assistant's tokens (thinking included, trained on or not)
-    split_rewritten: bool = False  # data.rewritten_history=split
-    rows: List[dict] = field(default_factory=list)  # earlier rows, where the template rewrote the history (`split`)
-    row_start: int = 0  # the turn this row starts at
-
-    def context(self, tokenizer, turn: int, max_prompt: int, room: int) -> Optional[List[dict]]:
-        """Messages for assistant turn `turn` (ending with its user turn), or None (and `open` False) when the
-        conversation ends here: no more user turns, an over-long turn, no room in the context window, or the
-        template does not extend the ids so far (an earlier response did not round-trip through its text)."""
-        turns = self.prompt["turns"]
-        stop = None
-        if turn >= len(turns):
-            stop = "no_more_turns"
-        elif self.prompt["source"] == "dataset" and turn >= len(self.prompt["reference"] or []):
-            stop = "no_more_turns" if turn else "no_assistant_turns"
-        elif not self.finished:
-            stop = "unfinished_response"
-        if stop is None:
-            text = turns[turn].strip() if turn else self.prompt["text"]
-            messages = self.messages + [{"role": "user", "content": text}]
-            try:
-                ids = chat_ids(tokenizer, messages, True)
-            except jinja2.TemplateError as e:  # e.g. gpt-oss's refuses an earlier answer with its channel tags in it
-                log.debug("the chat template refused conversation %s at turn %d: %s", self.prompt["id"], turn, e)
-                ids, stop = [], "template_refused"
-            if stop is None:
-                if turn and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt:
-                    stop = "overlong_turn"
-                elif len(ids) > room:
-                    stop = "context_full"
-                elif ids[:len(self.input_ids)] != self.input_ids:  # also a template that drops earlier thinking
-                    if self.split_rewritten:  # this row ends; the next starts from the template's own rendering
-                        self.rows.append(self.record())
-                        self.input_ids, self.loss_mask, self.response_tokens, self.row_start = [], [], 0, turn
-                    else:
-                        stop = "roundtrip_mismatch"
-        if stop is not None:
-            self.open, self.stop_reason = False, stop
-            return None
-        self.next_ids = ids
-        return messages
-
-    def add_turn(self, messages: List[dict], response: List[int], tokenizer, eos: Sequence[int],
-                 thinking: Optional[Thinking] = None) -> None:
-        """Append one assistant turn: `response` ids (EOS-terminated if finished) after the context's ids. The loss
-        mask is 1 on the response, but for its thinking spans when `thinking` (data.loss_on_thinking=false) is given."""
-        ids = self.next_ids
-        self.finished = bool(response) and response[-1] in eos
-        text = tokenizer.decode(response[:-1] if self.finished else response)
-        self.messages = messages + [assistant_message(text)]
-        trained = thinking_mask(response, thinking) if thinking else [1] * len(response)
-        self.loss_mask = self.loss_mask + [0] * (len(ids) - len(self.input_ids)) + trained
-        self.response_tokens += len(response)
-        self.input_ids = ids + response
-
-    def record(self) -> dict:
-        """This row (the last one of the conversation: `records` gives them all). A row that starts at turn t > 0 is
-        id "<conversation id>/turn<t>"."""
-        n_response = self.response_tokens
-        return {
-            "id": self.prompt["id"] + (f"{ROW_SEPARATOR}{self.row_start}" if self.row_start else ""),
-            "messages": self.messages, "input_ids": self.input_ids, "loss_mask": self.loss_mask,
-            "num_prompt_tokens": len(self.input_ids) - n_response, "num_response_tokens": n_response,
-            "num_turns": sum(m["role"] == "assistant" for m in self.messages), "finished": self.finished,
-            "prompt_truncated": self.prompt["truncated"], "source": self.prompt["source"],
-        }
-
-    def records(self) -> List[dict]:
-        """Every row of the conversation: one, or one more per rewritten history (data.rewritten_history=split)."""
-        return self.rows + [self.record()]
-
-
-ROW_SEPARATOR = "/turn"  # a conversation's later rows: "<id>/turn<t>" (data.rewritten_history=split)
-
-
-def conversation_id(row_id: str) -> str:
-    return row_id.split(ROW_SEPARATOR)[0]
-
-
-def reference_response(tokenizer, messages: List[dict], answer: str, context: List[int],
-                       eos: Sequence[int]) -> Optional[List[int]]:
-    """The dataset's own assistant turn as the template lays it out after `context`, through its closing EOS
-    (None if the template does not extend the context or closes the turn with no EOS)."""
-    full = chat_ids(tokenizer, messages + [assistant_message(answer)], False)
-    if full[:len(context)] != context:
-        return None
-    tail = full[len(context):]
-    end = next((j for j, t in enumerate(tail) if t in eos), None)
-    return None if end is None or end == 0 else tail[:end + 1]
-
-
-def untrained_thinking(d: DictConfig, tokenizer) -> Optional[Thinking]:
-    """The thinking markers whose spans leave the loss (data.loss_on_thinking=false), else None."""
-    if d.loss_on_thinking:
-        return None
-    thinking = thinking_format(tokenizer)
-    if thinking is None:
-        raise SpecdrafterError("recipe key 'data.loss_on_thinking' is false, but the target's tokenizer has no "
-                               "thinking markers (<think> … </think>, or gpt-oss's analysis channel): nothing to mask")
-    return thinking
-
-
-def build_conversations(prompts: List[dict], engine, tokenizer, eos: Sequence[int], d: DictConfig, seed: int,
-                        max_prompt: int, room: int, counts: Dict[str, int],
-                        on_turn: Optional[Callable[[int, int], None]] = None) -> List[dict]:
-    """Up to `data.max_turns` assistant turns per conversation, turn by turn over the whole shard (one batched
-    engine call per turn): the target answers given its own earlier answers, or — source "dataset" — the
-    conversation's own answers are laid out by the chat template. Returns one record per conversation with at
-    least one assistant turn; why conversations ended (or were skipped) is added to `counts`."""
-    split = d.rewritten_history.value == "split"
-    conversations = [Conversation(p, split_rewritten=split) for p in prompts]
-    thinking = untrained_thinking(d, tokenizer)
-    for turn in range(d.max_turns):
-        todo = [(c, c.context(tokenizer, turn, max_prompt, room)) for c in conversations if c.open]
-        todo = [(c, m) for c, m in todo if m is not None]
-        if not todo:
-            break
-        regenerate = [(c, m) for c, m in todo if c.prompt["source"] == "target"]
-        generated = 0
-        if regenerate:
-            responses = engine.respond([m for _, m in regenerate], d.max_new_tokens, d.temperature, d.top_p,
-                                       seed * 1_000 + turn)
-            for (c, m), response in zip(regenerate, responses):
-                if not response:
-                    c.open, c.stop_reason = False, "empty_response"
-                    continue
-                c.add_turn(m, response, tokenizer, eos, thinking)
-                generated += len(response)
-        for c, m in todo:
-            if c.prompt["source"] == "dataset":
-                answer = (c.prompt["reference"] or [])[turn]
-                response = reference_response(tokenizer, m, answer, c.next_ids, eos) if answer and answer.strip() else None
-                if response is None:
-                    c.open, c.stop_reason = False, "unusable_reference"
-                    continue
-                c.add_turn(m, response[:d.max_new_tokens], tokenizer, eos, thinking)
-        if on_turn is not None:
-            on_turn(len(todo), generated)
-    for c in conversations:
-        if c.open and c.messages:
-            c.stop_reason = "max_turns"
-        counts[c.stop_reason or "max_turns"] = counts.get(c.stop_reason or "max_turns", 0) + 1
-    skipped = sum(not c.messages for c in conversations)
-    counts["skipped_without_turns"] = counts.get("skipped_without_turns", 0) + skipped
-    rewritten = sum(len(c.rows) for c in conversations)
-    if rewritten:
-        counts["rows_from_rewritten_history"] = counts.get("rows_from_rewritten_history", 0) + rewritten
-    return [r for c in conversations if c.messages for r in c.records()]
-
-
-# ---------------------------------------------------------------------------------------- hidden states
-@torch.no_grad()
-def target_hidden_states(model, sequences: List[List[int]], layer_ids: Sequence[int], batch_size: int,
-                         dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """Hidden states of every token of every sequence, concatenated: {"layer_k": [N_tokens, d], "offsets": [n+1]}.
-
-    Layer ids follow `data.features` (id k = input to layer k; id L = last layer's output, pre-norm).
-    Sequences are right-padded, so padding never changes a real token's state.
-    """
-    per_layer: Dict[int, List[Optional[torch.Tensor]]] = {k: [None] * len(sequences) for k in layer_ids}
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths together: little padding
-    with capture_features(model, layer_ids) as hidden:
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            width = max(len(sequences[i]) for i in batch)
-            input_ids = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-            for row, i in enumerate(batch):
-                input_ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
-                attention_mask[row, :len(sequences[i])] = 1
-            model.model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device))  # no logits
-            for k in layer_ids:
-                for row, i in enumerate(batch):
-                    per_layer[k][i] = hidden[k][row, :len(sequences[i])].to(dtype).cpu()  # [T_i, d]
-    lengths = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.long)
-    out = {f"layer_{k}": torch.cat(per_layer[k]).contiguous() for k in layer_ids}
-    out["offsets"] = torch.cumsum(lengths, 0)
-    return out
-
-
-def hidden_states_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
-    return num_tokens * num_layers * hidden_size * torch.empty((), dtype=dtype).element_size()
-
-
-def check_free_space(needed: int, folder: Path) -> None:
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise SpecdrafterError(f"the hidden-state cache may need {needed / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB "
-                               f"is free under {folder}; cache fewer layers or conversations")
-
-
-# ---------------------------------------------------------------------------------------------- shards
-def settings_fingerprint(cfg: DictConfig) -> dict:
-    """The recipe values that determine a shard's contents (batch sizes and hidden-state options do not; nor does
-    num_conversations: the selection is a prefix of one seeded order and each shard's prompt ids are checked, so
-    a dataset grows or shrinks by whole shards without regenerating the others)."""
-    d = OmegaConf.to_container(cfg.data, enum_to_str=True)
-    for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency", "workers", "worker"):
-        d.pop(k, None)
-    engine_settings = d.pop("llamacpp")
-    if d["engine"] == "llama.cpp":  # the GGUF's weight type decides the law it samples; its threads do not
-        d["llamacpp.outtype"] = engine_settings["outtype"] or llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
-    template = OmegaConf.to_container(cfg.target.chat_template_kwargs)  # absent when unset: older shards still match
-    if d["loss_on_thinking"]:
-        d.pop("loss_on_thinking")
-    if d["rewritten_history"] == "split":  # the default: absent, so shards made before the key still match
-        d.pop("rewritten_history")
-    return {"target.model": cfg.target.model, "target.dtype": cfg.target.dtype.value,
-            **({"target.chat_template_kwargs": template} if template else {}), **{f"data.{k}": v for k, v in d.items()}}
-
-
-def shard_name(i: int) -> str:
-    return f"shard-{i:05d}"
-
-
-def hidden_path(out: Path, i: int) -> Path:
-    """Shard i's hidden-state cache file."""
-    return out / "hidden" / f"{shard_name(i)}.safetensors"
-
-
-def claim_path(out: Path, name: str) -> Path:
-    """The lock file a worker holds while it makes `name` (a shard, or a shard's hidden-state file)."""
-    return out / ".claims" / name
-
-
-def shard_problem(folder: Path, expected_ids: List[str], settings: dict) -> Optional[str]:
-    """Why an existing shard cannot be reused as is (None if it is complete and intact).
-    Raises if the shard is intact but was made with different settings: that is the user's call, not ours."""
-    meta_path = folder / SHARD_META
-    try:
-        meta = json.loads(meta_path.read_text())
-        problem = checksum_problem(folder, meta["files"])
-        if problem:
-            return problem
-        n = datasets.load_from_disk(str(folder)).num_rows
-    except FileNotFoundError as e:
-        return f"{Path(e.filename).name if e.filename else 'a file'} is missing"
-    except Exception as e:  # unreadable JSON / arrow: corrupt either way
-        return f"unreadable ({type(e).__name__})"
-    if meta["settings"] != settings:
-        diff = next(k for k in settings if meta["settings"].get(k) != settings[k])
-        raise SpecdrafterError(f"{folder} was generated with {diff}={meta['settings'].get(diff)!r}, the recipe now says "
-                               f"{settings[diff]!r}; use a new output_dir or delete the old shards")
-    if meta.get("prompt_ids", expected_ids) != expected_ids or not is_subsequence(meta["ids"], expected_ids) \
-            or n != len(meta["ids"]):
-        return "holds different prompts than this recipe selects"
-    return None
-
-
-def is_subsequence(kept: List[str], selected: List[str]) -> bool:
-    """A shard keeps its prompts in order and drops the conversations that got no assistant turn (a conversation's
-    later rows follow its first)."""
-    conversations = [conversation_id(k) for k in kept]
-    conversations = [c for i, c in enumerate(conversations) if i == 0 or c != conversations[i - 1]]
-    rest = iter(selected)
-    return all(any(k == s for s in rest) for k in conversations)
-
-
-def move_aside(path: Path, output_dir: Path, reason: str) -> None:
-    corrupt = output_dir / "corrupt"
-    corrupt.mkdir(exist_ok=True)
-    dest = corrupt / f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
-    shutil.move(str(path), dest)
-    log.warning(f"{path} is not usable ({reason}); moved aside to {dest}, regenerating it")
-
-
-def write_shard(records: List[dict], prompt_ids: List[str], folder: Path, settings: dict) -> None:
-    tmp = temp_dir_beside(folder)
-    datasets.Dataset.from_list(records).save_to_disk(str(tmp))
-    files = file_checksums(tmp)
-    atomic_write_json(tmp / SHARD_META, {"num_rows": len(records), "ids": [r["id"] for r in records],
-                                         "prompt_ids": prompt_ids, "settings": settings, "files": files})
-    publish_dir(tmp, folder)
-
-
-def hidden_file_ok(path: Path, layer_ids: Sequence[int], num_tokens: int) -> bool:
-    try:
-        with safe_open(str(path), "pt") as f:
-            return set(f.keys()) >= {f"layer_{k}" for k in layer_ids} and int(f.get_tensor("offsets")[-1]) == num_tokens
-    except Exception:
-        return False
-
-
-def write_hidden(tensors: Dict[str, torch.Tensor], path: Path, layer_ids: Sequence[int]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"layer_ids": json.dumps(list(layer_ids)),
-                                           "convention": "layer_k = input to decoder layer k"})
-    tmp.chmod(0o644)  # safetensors writes 0600; the cache is read like every other file (core/io.py)
-    tmp.replace(path)
-
-
+# --------------------------------------------------------------------------- answer sources and engines
 def response_source(d: DictConfig, conversation_id: str) -> str:
     """Who writes this conversation's assistant turns: "target" or "dataset" (data.responses; with mix, a seeded
     draw per conversation, so a conversation keeps its source however the dataset grows)."""
@@ -560,7 +81,8 @@ def build_engine(cfg: DictConfig, model, tokenizer, on_batch: Callable[[int, int
     return HFEngine(model, tokenizer, d.batch_size, on_batch)
 
 
-# ------------------------------------------------------------------------------------------------- job
+
+# -------------------------------------------------------------------------------------------------- job
 def generate_dataset(cfg: DictConfig, serve: Optional[Callable[[], ContextManager[List[str]]]] = None) -> dict:
     """The data job: select prompts, regenerate responses with the target shard by shard, cache features.
 
@@ -857,30 +379,3 @@ def counts_by_source(dataset: datasets.Dataset) -> Dict[str, dict]:
                   "response_tokens": sum(n for n, x in zip(dataset["num_response_tokens"], sources) if x == src)}
             for src in sorted(set(sources))}
 
-
-def load_generated(output_dir: str | Path, num_shards: Optional[int] = None) -> datasets.Dataset:
-    """All shards of a data job as one Dataset (columns: id, messages, input_ids, loss_mask, ...)."""
-    folders = sorted((Path(output_dir) / "shards").glob("shard-*"))
-    if num_shards is not None:
-        folders = folders[:num_shards]
-    if not folders:
-        raise SpecdrafterError(f"no generated shards under {output_dir}; run launch/generate_data.py first")
-    return datasets.concatenate_datasets([load_shard(f) for f in folders])
-
-
-def load_shard(folder: Path) -> datasets.Dataset:
-    """One shard, checked against the checksums its shard.json recorded; a damaged shard is one line naming it."""
-    meta = folder / SHARD_META
-    problem = json_file_problem(meta) if meta.exists() else None  # shards always have one; tolerate hand-made ones
-    if problem:
-        problem = f"{SHARD_META} {problem}"
-    elif meta.exists():
-        files = json.loads(meta.read_text()).get("files")
-        problem = checksum_problem(folder, files) if isinstance(files, dict) else f"{SHARD_META} lists no files"
-    if problem is None:
-        try:
-            return datasets.load_from_disk(str(folder))
-        except Exception as e:  # arrow / JSON errors of a folder that is not a saved dataset
-            problem = f"unreadable ({first_line(e)})"
-    raise SpecdrafterError(f"shard {str(folder)!r} is damaged: {problem}; rerun the data job (launch/generate_data.py) "
-                           "to regenerate it")

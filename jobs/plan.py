@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import Recipe, RecipeError
-from specdrafter.data.regenerate import hidden_states_bytes
+from specdrafter.data.shards import hidden_states_bytes
 from specdrafter.jobs.cli import cli
 from specdrafter.jobs.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
 from specdrafter.jobs.plan_report import format_plan

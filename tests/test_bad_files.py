@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from specdrafter.core.io import SpecdrafterError, write_checkpoint_state
 from specdrafter.core.weights import check_model_folder
 from specdrafter.data.assets import load_prompt_set, load_target
-from specdrafter.data.regenerate import load_generated, write_shard
+from specdrafter.data.shards import load_generated, write_shard
 from specdrafter.eval.job import Results, find_run_checkpoints
 from specdrafter.export.formats import find_source
 from specdrafter.jobs.recipe import load_recipe

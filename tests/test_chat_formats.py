@@ -1,4 +1,4 @@
-"""Chat formats (data/chat.py, data/regenerate.py:Conversation) on the real chat templates of three families, read
+"""Chat formats (data/chat.py, data/conversations.py:Conversation) on the real chat templates of three families, read
 from llama.cpp's source tree (it ships them for its own template tests): Qwen3 (<think> … </think>), gpt-oss
 (harmony: analysis and final channels) and Gemma (<start_of_turn> … <end_of_turn>, Gemma 2's template, whose turn
 markers Gemma 3 shares). Each template is put on SmolLM2's tokenizer with the family's special tokens added, and
@@ -16,13 +16,8 @@ from conftest import REPO
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.chat import chat_ids, thinking_format, user_prompt_ids, with_template_kwargs
-from specdrafter.data.regenerate import (
-    Conversation,
-    build_conversations,
-    is_subsequence,
-    settings_fingerprint,
-    write_shard,
-)
+from specdrafter.data.conversations import Conversation, build_conversations
+from specdrafter.data.shards import is_subsequence, settings_fingerprint, write_shard
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.train.batches import TrainingData
 
@@ -194,7 +189,7 @@ def test_template_kwargs_and_masked_thinking_are_part_of_the_data_settings():
 
 
 def test_loss_on_thinking_false_on_a_target_without_thinking_markers_is_one_line(smollm2_tokenizer):
-    from specdrafter.data.regenerate import untrained_thinking
+    from specdrafter.data.conversations import untrained_thinking
 
     cfg = load_recipe(REPO / "recipes" / "smollm2-135m-data.yaml", ["data.loss_on_thinking=false"])
     with pytest.raises(SpecdrafterError, match="'data.loss_on_thinking' is false, but the target's tokenizer has no "

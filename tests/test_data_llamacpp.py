@@ -20,7 +20,7 @@ import specdrafter.inference.llama_server as llama_server_module
 import specdrafter.jobs.train as train_loop
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.data.regenerate import generate_dataset
 from specdrafter.data.server import (
     LLAMA_SERVER,
     LLAMA_SERVER_FIELDS,
@@ -28,6 +28,7 @@ from specdrafter.data.server import (
     ServerEngine,
     parse_reply,
 )
+from specdrafter.data.shards import load_generated
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.data import run_data_job
 from specdrafter.jobs.recipe import load_recipe
@@ -96,7 +97,7 @@ def test_the_probe_recognises_llama_server_and_asks_for_ids_and_the_plain_chain(
 
 
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> dict:
-    """The in-process engine's law (data/regenerate.py:sample_tokens): id → probability."""
+    """The in-process engine's law (data/hf_engine.py:sample_tokens): id → probability."""
     probs, ids = torch.softmax(logits.double() / temperature, -1).sort(descending=True)
     kept = probs.cumsum(0) - probs < top_p
     return dict(zip(ids[kept].tolist(), (probs[kept] / probs[kept].sum()).tolist()))

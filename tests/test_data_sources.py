@@ -12,7 +12,9 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from specdrafter.data.chat import chat_ids
-from specdrafter.data.regenerate import generate_dataset, generate_responses, load_generated, sample_tokens
+from specdrafter.data.hf_engine import generate_responses, sample_tokens
+from specdrafter.data.regenerate import generate_dataset
+from specdrafter.data.shards import load_generated
 from specdrafter.inference.sampling import SamplingParams, sampling_probs
 from specdrafter.jobs.recipe import load_recipe
 

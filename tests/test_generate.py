@@ -17,13 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError, claim
 from specdrafter.data.assets import load_target
-from specdrafter.data.regenerate import (
-    check_free_space,
-    claim_path,
-    generate_dataset,
-    generate_responses,
-    load_generated,
-)
+from specdrafter.data.hf_engine import generate_responses
+from specdrafter.data.regenerate import generate_dataset
+from specdrafter.data.shards import check_free_space, claim_path, load_generated
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_RECIPE = REPO / "recipes" / "smollm2-135m-data.yaml"
@@ -208,14 +204,14 @@ def test_changed_settings_refuse_to_mix_with_old_shards(tmp_path, tiny_target, p
 # into its temp folder, and the job dies just before that folder is renamed into place.
 KILLED_BEFORE_THE_THIRD_PUBLISH = """
 import os, runpy, signal, sys
-from specdrafter.data import regenerate
-publish, published = regenerate.publish_dir, []
+from specdrafter.data import shards
+publish, published = shards.publish_dir, []
 def publish_unless_third(tmp, folder):
     if len(published) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     publish(tmp, folder)
     published.append(folder)
-regenerate.publish_dir = publish_unless_third
+shards.publish_dir = publish_unless_third
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

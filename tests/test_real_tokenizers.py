@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 import specdrafter.jobs.train as train_loop
 from specdrafter.core import llamacpp
-from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.data.regenerate import generate_dataset
+from specdrafter.data.shards import load_generated
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE
 from specdrafter.inference.llama_server import LlamaServer

@@ -261,7 +261,8 @@ def test_data_job_through_the_server_writes_the_in_process_engines_shards(url, s
     columns, token ids, loss masks and messages as the in-process engine's, and stats.json records the server."""
     import datasets
 
-    from specdrafter.data.regenerate import generate_dataset, load_generated
+    from specdrafter.data.regenerate import generate_dataset
+    from specdrafter.data.shards import load_generated
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"c{i}", "turns": [t, "Say it again in other words."]}) + "\n"
                                for i, t in enumerate(["Reply in one word: what colour is the sky?",

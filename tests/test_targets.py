@@ -31,7 +31,8 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import ASDConfig
 from specdrafter.data.assets import load_target
 from specdrafter.data.chat import user_prompt_ids
-from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.data.regenerate import generate_dataset
+from specdrafter.data.shards import load_generated
 from specdrafter.eval.job import load_sets, run_eval
 from specdrafter.export.engines import check_engine_target
 from specdrafter.export.formats import export

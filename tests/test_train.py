@@ -26,7 +26,8 @@ import specdrafter.jobs.train as train_loop
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import Recipe, RecipeError
 from specdrafter.data.assets import load_prompt_set
-from specdrafter.data.regenerate import generate_dataset, load_generated
+from specdrafter.data.regenerate import generate_dataset
+from specdrafter.data.shards import load_generated
 from specdrafter.eval.acceptance import cycle_metrics
 from specdrafter.inference.decode import speculative_generate, tree_speculative_generate
 from specdrafter.inference.eagle import EagleTreeProposer

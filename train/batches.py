@@ -14,7 +14,8 @@ import torch
 from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.core.weights import mmap_safetensors
-from specdrafter.data.regenerate import conversation_id, load_generated
+from specdrafter.data.conversations import conversation_id
+from specdrafter.data.shards import load_generated
 
 
 @dataclass
