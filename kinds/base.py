@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tu
 from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.llamacpp import SDIST
 from specdrafter.core.recipe import EvalVerifier, RecipeError
 
 if TYPE_CHECKING:  # annotations only: importing the protocol loads no torch, transformers or peft
@@ -70,7 +69,7 @@ class LlamaCpp:
     def check_target(self, arch: str, description: str) -> None:
         """One line for a target (its HF architecture) llama.cpp cannot serve this drafter beside."""
         if self.reads_layer_inputs and arch in NO_LAYER_INPUTS:
-            raise SpecdrafterError(f"--format gguf: llama.cpp {SDIST.version} cannot serve {description} beside a "
+            raise SpecdrafterError(f"--format gguf: llama.cpp cannot serve {description} beside a "
                                    f"{NO_LAYER_INPUTS[arch]} target ({arch}): its graph for that target does not expose "
                                    "the layer inputs the drafter reads (llama-server aborts); a draft model serves there")
 
