@@ -2,7 +2,7 @@
 
 The folder of the kind's `export.llamacpp.converts` format (EAGLE-3, DFlash, DSpark: the vllm layout; a draft model:
 hf-draft) is written first, then llama.cpp's own convert_hf_to_gguf.py, from the pinned source tree that
-core/llamacpp.py builds, turns it into `draft.gguf`: the engine's code decides what it reads. The converter fills in
+engines/llamacpp_build.py builds, turns it into `draft.gguf`: the engine's code decides what it reads. The converter fills in
 defaults without a word, so two checks stand around it:
 - before: an EAGLE-3 folder must carry its aux ids at the top level (`eagle_aux_hidden_state_layer_ids`), the only key
   the converter reads; without it the head would be served on the default layers [2, L // 2, L − 3];

@@ -6,7 +6,7 @@
 The same command is installed as `specdrafter-llamacpp`; see docs/llamacpp.md.
 """
 
-from specdrafter.core.llamacpp import main
+from specdrafter.engines.llamacpp_build import main
 
 if __name__ == "__main__":
     main()

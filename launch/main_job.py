@@ -24,6 +24,7 @@ from pathlib import Path
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.engines.llamacpp_build import install
 from specdrafter.export.llamacpp_eval import both_speedups
 from specdrafter.jobs.recipe import load_recipe
 
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
         run = run if run.is_absolute() else REPO / run
         if not llamacpp.installed():
             print("== llama.cpp is not built yet: building it once into the cache (about 15 min)", flush=True)
-            llamacpp.install()
+            install()
         llamacpp.converter()  # its Python modules: one line now rather than after training
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")

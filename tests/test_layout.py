@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-FOLDERS = ("core", "models", "data", "train", "inference", "kinds", "jobs", "eval", "export")  # bottom to top
+FOLDERS = ("core", "models", "data", "train", "inference", "kinds", "jobs", "eval", "export", "engines")  # bottom to top
 
 
 def modules():

