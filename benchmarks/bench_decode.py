@@ -21,7 +21,7 @@ the strict arm. Writes bench_decode.json, bench_decode.md and bench_decode.png t
 With --llamacpp, after the loop's arms, each drafter given that llama.cpp serves (EAGLE-3, DFlash, DSpark, draft
 model) is also served by llama-server from its GGUF export (exported beside it once; the target converted into the
 cache once) and measured on the same prompts and temperatures, with and without the drafter alternating prompt by
-prompt (export/llamacpp_eval.py's arm): at the loop's k and at the k llama.cpp's measured costs pick, one thread per
+prompt (engines/llamacpp_eval.py's arm): at the loop's k and at the k llama.cpp's measured costs pick, one thread per
 server (--llamacpp-threads). Needs `specdrafter-llamacpp install`; nothing else may run on the machine meanwhile.
 """
 

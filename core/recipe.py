@@ -453,7 +453,7 @@ class EvalVerifier(Enum):
 
 class EvalEngine(Enum):
     loop = "loop"  # our decoding loop (eval/job.py)
-    llamacpp = "llama.cpp"  # llama-server with the checkpoint's GGUF export, beside the target alone (export/llamacpp_eval.py)
+    llamacpp = "llama.cpp"  # llama-server with the checkpoint's GGUF export, beside the target alone (engines/llamacpp_eval.py)
 
 
 @dataclass

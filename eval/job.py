@@ -57,7 +57,6 @@ import json
 import logging
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,7 +96,6 @@ from specdrafter.inference.autotune import (
     time_passes,
 )
 from specdrafter.inference.decoder import build_decoder
-from specdrafter.jobs.cli import cli
 from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")
@@ -583,15 +581,3 @@ def _log_wandb(cfg: DictConfig, data: dict, out: Path) -> None:
     run.log({"cells": wandb.Table(columns=columns, data=[[c.get(k) for k in columns] for c in data["cells"]]),
              **{f"plots/{p.stem}": wandb.Image(str(p)) for p in sorted(out.glob("*.png"))}})
     run.finish()
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    """`python -m specdrafter.eval.job RECIPE.yaml checkpoint=X [eval.*=...]` (launch/eval_acceptance.py);
-    `checkpoint=X` is short for eval.checkpoint=X."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    cli(run_eval, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
-
-
-if __name__ == "__main__":
-    main()

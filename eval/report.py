@@ -98,7 +98,7 @@ def write_report(data: dict, out: Path) -> Path:
 
 
 def llamacpp_section(data: dict) -> List[str]:
-    """The llama.cpp arm (export/llamacpp_eval.py): its cells beside the loop's speedup for the same checkpoint, set,
+    """The llama.cpp arm (engines/llamacpp_eval.py): its cells beside the loop's speedup for the same checkpoint, set,
     temperature and k, the plan's costs, and every T = 0 departure with its margin."""
     arm = data.get("llamacpp") or {}
     if not arm.get("cells"):

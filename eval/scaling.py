@@ -116,7 +116,7 @@ def run_scaling(cfg: DictConfig, recipe: str, overrides: List[str]) -> Path:
                 f"train.data_tokens={budget}")
         newest = complete_checkpoints(run_dir / "checkpoints")[-1]
         state = json.loads((newest / "trainer_state.json").read_text())
-        command("specdrafter.eval.job", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
+        command("specdrafter.engines.evaluate", recipe, overrides, f"output_dir={run_dir}", f"eval.checkpoint={newest}",
                 f"eval.output_dir={run_dir / 'eval'}", "eval.k_sweep=[]", "eval.verifiers=[chain,tree]")
         report["runs"][name] = {"source": source, "budget": budget, "step": state["step"],
                                 "tokens_seen": state["tokens"], "heldout": state.get("metrics"),

@@ -4,10 +4,10 @@
 
 `checkpoint=X` is short for eval.checkpoint=X. Rerunning the same command skips the cells already measured.
 With eval.engines=[loop,llama.cpp] the newest checkpoint is also served by llama-server and measured there, beside
-the loop's cells in the same report (export/llamacpp_eval.py).
+the loop's cells in the same report (engines/evaluate.py, engines/llamacpp_eval.py).
 """
 
-from specdrafter.export.llamacpp_eval import main
+from specdrafter.engines.evaluate import main
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ from pathlib import Path
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.engines.llamacpp_build import install
-from specdrafter.export.llamacpp_eval import both_speedups
+from specdrafter.engines.llamacpp_eval import both_speedups
 from specdrafter.jobs.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The eval job's llama.cpp arm (export/llamacpp_eval.py): a checkpoint served by llama-server beside our loop, in one
+"""The eval job's llama.cpp arm (engines/llamacpp_eval.py): a checkpoint served by llama-server beside our loop, in one
 results.json and report; a rerun skips the finished cells; a drafter llama.cpp cannot serve is refused before the loop
 runs. Random drafters on a tiny target: the arm's mechanics and the T = 0 identity check, not speed. Needs the
 llama.cpp build."""
@@ -12,8 +12,9 @@ from conftest import RECIPES, REPO, TINY
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.engines.evaluate import evaluate
+from specdrafter.engines.llamacpp_eval import plan_cells
 from specdrafter.eval.report import write_report
-from specdrafter.export.llamacpp_eval import evaluate, plan_cells
 from specdrafter.jobs.recipe import load_recipe
 
 pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")

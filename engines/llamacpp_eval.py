@@ -2,14 +2,14 @@
 
     python launch/eval_acceptance.py RECIPE.yaml checkpoint=RUN eval.engines=[loop,llama.cpp]
 
-`launch/eval_acceptance.py` runs this module's `main`: the loop's cells (eval/job.py), then, when eval.engines names
-llama.cpp, this arm, into the same results.json and report. It sits here, above export/, because llama.cpp serves a
-checkpoint from its GGUF export; eval/job.py alone (`python -m specdrafter.eval.job`) runs the loop's cells only.
+The eval job's one entry point (engines/evaluate.py, run by `launch/eval_acceptance.py`) runs the loop's cells
+(eval/job.py:run_eval), then, when eval.engines names llama.cpp, this arm, into the same results.json and report. It
+sits on the top floor, above export/, because llama.cpp serves a checkpoint from its GGUF export.
 
 Before any cell is decoded the arm is prepared, so that bad input costs seconds, not the loop's minutes: the
 checkpoint is exported to GGUF (beside it, once), the target converted (into the cache, once) at
 eval.llamacpp.outtype, the pair checked (vocabulary, feature width), and the drafter calibrated in llama.cpp on this
-machine (export/serve.py's plan: v(n), c(k), cached). Then per cell, the same prompts through llama-server without and
+machine (engines/serve.py's plan: v(n), c(k), cached). Then per cell, the same prompts through llama-server without and
 with the drafter, alternating prompt by prompt (eval/llamacpp.py:side_by_side):
 - the newest checkpoint × each set × each temperature, at the block length the plan picks (what `specdrafter-serve`
   would serve, whether or not it pays), and on the first set at T = 0 each k of eval.k_sweep the drafter can take;
@@ -30,10 +30,9 @@ on the machine meanwhile.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
@@ -42,12 +41,11 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import EvalEngine
 from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
 from specdrafter.eval.acceptance import speedup_of
-from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets, run_eval
+from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
 from specdrafter.export.serve import Drafter, gguf_pair, has_confidence, plan
 from specdrafter.export.source import target_of
-from specdrafter.jobs.cli import cli
 from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")
@@ -171,23 +169,3 @@ def both_speedups(data: dict) -> List[str]:
                      ("serve it with the drafter" if choice["pays"] else
                       "it does not pay here, specdrafter-serve serves the target alone"))
     return lines
-
-
-def evaluate(cfg: DictConfig) -> Path:
-    """The eval job with every engine of eval.engines: llama.cpp's arm prepared first, the loop's cells, the arm."""
-    engines = set(cfg.eval.engines)
-    arm = prepare(cfg) if EvalEngine.llamacpp in engines else None
-    out = run_eval(cfg) if EvalEngine.loop in engines else None
-    return run_arm(cfg, *arm) if arm is not None else out
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    """`python launch/eval_acceptance.py RECIPE.yaml checkpoint=X [eval.*=...]`; `checkpoint=X` is short for
-    eval.checkpoint=X."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    cli(evaluate, [("eval." + a if a.startswith("checkpoint=") else a) for a in argv])
-
-
-if __name__ == "__main__":
-    main()
