@@ -431,7 +431,7 @@ def _configure_and_compile(jobs: int, tools: Dict[str, str], step: _Steps, resum
     step(f"configuring with cmake ({' '.join(CMAKE_FLAGS)})")
     env = {**os.environ, "CXX": tools["C++ compiler"], "CC": tools["C compiler"]}
     _run_logged([cmake, "-S", str(source_dir()), "-B", str(build_dir()), *CMAKE_FLAGS], env, "configure", step)
-    how = "only what is missing" if resumed else "about 18 minutes on 2 busy cores"
+    how = "only what is missing" if resumed else "minutes: 8 on 2 quiet cores, more beside other work"
     step(f"{'resuming the build of' if resumed else 'building'} {' and '.join(BINARIES)} with {jobs} "
          f"job{'s' if jobs > 1 else ''} ({how}; output in {log_path()})")
     _run_logged([cmake, "--build", str(build_dir()), "--parallel", str(jobs), "--target", *BINARIES], env, "build", step)

@@ -12,7 +12,7 @@ llama.cpp, both speedups.
    With --serve the head is then served (`specdrafter-serve runs/smollm2-135m/eagle3`) until Ctrl-C.
 
 Each step resumes where it stopped: rerun the command after a kill. llama.cpp is built first when the cache has no
-build (about 15 minutes, once; not in the job's time). key=value overrides go to every step. On a CPU without
+build (minutes, once: 8 on 2 quiet cores; not in the job's time). key=value overrides go to every step. On a CPU without
 native bf16 (no avx512_bf16 / amx_bf16 flag) the target runs in float32 and training in fp32, the faster choices
 there (docs/inference.md), unless target.dtype or train.precision is given.
 """
@@ -73,7 +73,7 @@ def main(repo: Path, argv=None) -> None:
         run = Path(load_recipe(repo / TRAIN, overrides).output_dir)  # a bad override: one line, before anything runs
         run = run if run.is_absolute() else repo / run
         if not llamacpp.installed():
-            print("== llama.cpp is not built yet: building it once into the cache (about 15 min)", flush=True)
+            print("== llama.cpp is not built yet: building it once into the cache (minutes)", flush=True)
             install()
         llamacpp.converter()  # its Python modules: one line now rather than after training
     except SpecdrafterError as e:
