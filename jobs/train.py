@@ -16,6 +16,8 @@ uninterrupted run's.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -84,7 +86,8 @@ def setup_distributed() -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         clear_stale_build_locks()
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        with contextlib.redirect_stdout(io.StringIO()):  # on a CPU it prints "DeepSpeed shm_comm built successfully"
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         release_shm_segment()
     return dist.get_rank(), dist.get_world_size()
 
