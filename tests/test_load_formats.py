@@ -263,7 +263,7 @@ def test_a_head_without_aux_layer_ids_gets_the_trainers_default_and_decodes_exac
     check_head_fits(loaded, target)
     assert_same_head(loaded, head)
     cfg = recipe("eagle3", target_dir, tmp_path / "run", f"drafter.path={folder}")
-    proposer = build_proposer(cfg, target)  # the decode CLI's and the eval job's own path
+    proposer = build_proposer(cfg, target)  # the kind's proposer, as jobs/decode.py:load_decoder builds it
     assert proposer.feature_layers == [2, 4, 5]
     prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about rivers."}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
