@@ -4,8 +4,10 @@
     python launch/serve_llamacpp.py DRAFTER ...                                                   (the same)
 
 DRAFTER is a training checkpoint or run (exported to GGUF first, beside it, once), an export folder holding
-`draft.gguf` (`launch/export.py --format gguf`), or a drafter GGUF. The target is the one the drafter's recipe names
-(converted to GGUF once, into the cache) unless --target-gguf gives one.
+`draft.gguf` (`launch/export.py --format gguf`), an export in the layout llama.cpp's converter reads for its kind
+(`--format vllm` for EAGLE-3, DFlash and DSpark, `hf-draft` for a draft model: converted once, into the cache; an
+export in another format is refused, naming what to pass instead), or a drafter GGUF. The target is the one the
+drafter's recipe names (converted to GGUF once, into the cache) unless --target-gguf gives one.
 
 Before serving, the drafter is measured in llama.cpp on this machine (eval/llamacpp.py: v(n) with llama-bench, then
 the drafter at n_max = 1, 2, 3, 4 and at the largest block on MT-Bench prompts at T = 0) and the cost model picks k. The
@@ -14,19 +16,22 @@ serves at once. The plan also measures llama.cpp's confidence cut (--spec-draft-
 the drafter's top probability falls below it) at the largest block, and serves a cut where it beats the best plain k.
 When no k is predicted to pay (speedup < 1 + the timing noise), the target is served without the
 drafter and the reason printed; --k N serves the drafter anyway. llama-server runs in the foreground until Ctrl-C,
-and no server outlives the command (a failed start, Ctrl-C, SIGTERM).
+and no server outlives the command (a failed start, Ctrl-C, SIGTERM, SIGHUP, and SIGKILL through the kernel's
+parent-death signal: inference/llama_server.py).
 
 Bad input, one line each: a drafter kind llama.cpp cannot serve, a target GGUF of another model (its vocabulary or
-width differs from what the drafter was trained on), --k above the drafter's block, a port in use.
+width differs from what the drafter was trained on), --k outside 1 to the drafter's block, a port in use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -35,13 +40,13 @@ from transformers import AutoTokenizer
 
 from specdrafter.core import llamacpp
 from specdrafter.core.cache import cache_dir
-from specdrafter.core.io import SpecdrafterError, atomic_write_json
+from specdrafter.core.io import SpecdrafterError, atomic_write_json, publish_dir, temp_dir_beside
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.eval.llamacpp import CONFIDENCE_CUTS, Calibration, calibrate
 from specdrafter.export.formats import export
-from specdrafter.export.gguf import DRAFT_FILE, read_gguf
-from specdrafter.export.source import find_source, target_of
+from specdrafter.export.gguf import DRAFT_FILE, read_gguf, write_gguf
+from specdrafter.export.source import Source, find_source, target_of
 from specdrafter.inference.llama_server import LlamaServer, port_in_use
 
 MAX_K = 8  # the longest chain an EAGLE-3 head or a draft model is planned with
@@ -77,11 +82,13 @@ def longest_block(facts: dict, spec: str) -> int:
     return int(block) if spec == "draft-dspark" and anchor else int(block) - 1
 
 
-def resolve_drafter(path: Path) -> Drafter:
-    """DRAFTER as a GGUF with its facts (a checkpoint is exported first, once)."""
+def resolve_drafter(path: Path, target_dir: Optional[Path] = None) -> Drafter:
+    """DRAFTER as a GGUF with its facts (a checkpoint, or an export llama.cpp's converter reads, is converted first,
+    once). `target_dir`: the target's HF folder, where the drafter's recipe names none on this machine."""
     folder = None
     if path.is_dir() and not (path / DRAFT_FILE).is_file():
-        path, folder = export_checkpoint(path)
+        fmt = export_format(path)
+        path, folder = export_checkpoint(path) if fmt is None else convert_export(path, fmt, target_dir)
     gguf = path / DRAFT_FILE if path.is_dir() else path
     if not gguf.is_file():
         raise SpecdrafterError(f"{str(path)!r} is not a drafter GGUF, an export folder with {DRAFT_FILE}, "
@@ -97,11 +104,59 @@ def resolve_drafter(path: Path) -> Drafter:
 def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
     """The GGUF export of the newest checkpoint at `path`, written beside it once, and the target's folder."""
     src = find_source(path)
-    out = src.drafter.parent / "gguf"
+    beside = src.drafter.parent if src.drafter.name == "drafter" else src.drafter  # the checkpoint holding drafter/
+    out = beside / "gguf"
     if not (out / DRAFT_FILE).is_file():
-        print(f"exporting {src.drafter.parent} to GGUF ({out})", flush=True)
-        export(src.drafter.parent, "gguf", out)
+        print(f"exporting {path} to GGUF ({out})", flush=True)
+        export(path, "gguf", out)
     return out, target_of(src.recipe).folder
+
+
+def export_format(folder: Path) -> Optional[str]:
+    """The --format of an export folder (its model card says "exported as `FORMAT`"), or None for any other folder."""
+    card = folder / "README.md"
+    found = re.search(r"exported as `([\w-]+)`", card.read_text(errors="replace")) if card.is_file() else None
+    return found.group(1) if found else None
+
+
+def convert_export(folder: Path, fmt: str, target_dir: Optional[Path]) -> Tuple[Path, Optional[Path]]:
+    """An export folder converted to GGUF once, into the cache, when it is in the layout llama.cpp's converter reads
+    for its kind (export/gguf.py: the kind's `converts`): the same conversion and checks as `--format gguf`, from the
+    export's files as they are. Any other format is refused in one line naming the folder and what to pass instead.
+    Returns the GGUF's folder and the target's."""
+    src = find_source(folder)
+    spec = src.kind.export.llamacpp if src.kind.export else None
+    if spec is None:
+        raise SpecdrafterError(f"{str(folder)!r} is a --format {fmt} export of {src.kind.description}, which llama.cpp "
+                               "does not serve (its --spec-type has draft, draft-eagle3, draft-dflash and draft-dspark)")
+    if fmt != spec.converts:
+        raise SpecdrafterError(f"{str(folder)!r} is a --format {fmt} export of {src.kind.description}; llama.cpp's "
+                               f"converter reads the --format {spec.converts} layout: pass the checkpoint it was "
+                               f"exported from, or its --format {spec.converts} or --format gguf export")
+    target = target_of(src.recipe)
+    target_folder = target_dir or target.folder
+    if target_folder is None:
+        raise SpecdrafterError(f"{str(folder)!r} is converted to GGUF beside its target's config and tokenizer, and "
+                               f"its target {target.name!r} is not on this machine: give its HF folder with --target-dir")
+    files = sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors"))
+    out = cache_dir() / "llama.cpp" / "drafters" / f"{folder.name}-{llamacpp.files_key(files)[:12]}"
+    if not (out / DRAFT_FILE).is_file():
+        print(f"converting the --format {fmt} export {folder} to GGUF with llama.cpp's converter (cached: {out})",
+              flush=True)
+        tmp = temp_dir_beside(out)
+        try:
+            write_gguf(src, tmp, replace(target, folder=target_folder), copy_export)
+            publish_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out, target_folder
+
+
+def copy_export(src: Source, stage: Path, target, fmt: str) -> None:
+    """write_gguf's layout writer for an export already in that layout: its config and weights, as they are."""
+    for f in [src.drafter / "config.json", *sorted(src.drafter.glob("*.safetensors"))]:
+        shutil.copyfile(f, stage / f.name)
 
 
 def has_confidence(drafter: Drafter) -> bool:
@@ -127,7 +182,7 @@ def check_pair(drafter: Drafter, target: Path) -> dict:
 
 def gguf_pair(drafter_path: Path, target_folder: Path, outtype: str = "f32") -> Tuple[Drafter, Path]:
     """A drafter (checkpoint, export or GGUF) and its target converted to GGUF, checked as a pair."""
-    drafter = resolve_drafter(Path(drafter_path))
+    drafter = resolve_drafter(Path(drafter_path), target_folder)
     drafter.target_folder = target_folder
     target = llamacpp.target_gguf(target_folder, outtype)
     check_pair(drafter, target)
@@ -143,11 +198,16 @@ def plan_prompts(folder: Optional[Path]) -> List[List[int]]:
     return [user_prompt_ids(tokenizer, r["turns"][0]) for r in load_prompt_set("mtbench")[-PLAN_PROMPTS:]]
 
 
-def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> Calibration:
-    """The drafter's calibration on this machine, cached by the two files and the thread count."""
+def plan_path(drafter: Drafter, target: Path, threads: int) -> Path:
+    """Where the drafter's calibration is cached: keyed by the two files and the thread count."""
     key = llamacpp.files_key([target.resolve(), drafter.gguf.resolve()],
                              f"threads={threads}:{llamacpp.SDIST.version}:plan={PLAN_VERSION}")
-    cached = cache_dir() / "llama.cpp" / "plans" / f"{key[:16]}.json"
+    return cache_dir() / "llama.cpp" / "plans" / f"{key[:16]}.json"
+
+
+def plan(drafter: Drafter, target: Path, threads: int, fresh: bool = False) -> Calibration:
+    """The drafter's calibration on this machine, cached by the two files and the thread count."""
+    cached = plan_path(drafter, target, threads)
     if cached.is_file() and not fresh:
         try:
             return Calibration.from_json(json.loads(cached.read_text()))
@@ -173,8 +233,14 @@ def advice(cal: Calibration) -> List[str]:
     return lines
 
 
+def setting(k: int, p_min: float) -> str:
+    """A drafter's setting as the messages name it: k, the confidence cut if any, and llama-server's flags."""
+    flags = f"--spec-draft-n-max {k}" + (f" --spec-draft-p-min {p_min:g}" if p_min else "")
+    return f"k = {k}" + (f" with p_min {p_min:g}" if p_min else "") + f" ({flags})"
+
+
 def serve(server: LlamaServer) -> None:
-    """Run until Ctrl-C or SIGTERM; the server is stopped either way."""
+    """Run until Ctrl-C, SIGTERM or SIGHUP; the server is stopped either way (and by the kernel on SIGKILL)."""
     with server:
         print(f"llama-server is serving on {server.url} (Ctrl-C stops it)", flush=True)
         while server.alive():
@@ -190,7 +256,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--k", type=int, help="serve the drafter at this --spec-draft-n-max, whatever the plan says")
     p.add_argument("--p-min", type=float, default=0.0, help="with --k: llama.cpp's confidence cut "
                    "(--spec-draft-p-min; 0 drafts k tokens every step)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="the port llama-server listens on (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (1 on a shared machine)")
     p.add_argument("--replan", action="store_true", help="measure again instead of using the cached plan")
     p.add_argument("--plan-only", action="store_true", help="print the plan and the advice, serve nothing")
@@ -208,12 +274,12 @@ def run(a) -> Optional[Calibration]:
     if not 0 <= a.p_min < 1 or (a.p_min and a.k is None):
         raise SpecdrafterError(f"--p-min {a.p_min:g}: a confidence cut in [0, 1), given with --k (without --k the "
                                "plan chooses both)")
-    drafter = resolve_drafter(a.drafter)
+    drafter = resolve_drafter(a.drafter, a.target_dir)
     if a.target_dir is not None:
         drafter.target_folder = a.target_dir
     if a.k is not None and not 1 <= a.k <= drafter.max_k:
-        raise SpecdrafterError(f"--k {a.k}: this {drafter.spec_type} drafter drafts at most {drafter.max_k} tokens "
-                               "a step")
+        raise SpecdrafterError(f"--k {a.k}: k must be between 1 and {drafter.max_k} (this {drafter.spec_type} drafter "
+                               f"drafts at most {drafter.max_k} tokens a step)")
     if a.p_min and not has_confidence(drafter):
         raise SpecdrafterError(f"--p-min {a.p_min:g}: this DSpark drafter has no confidence head to cut by (llama-server "
                                "takes only --spec-draft-p-min 0 for it)")
@@ -225,21 +291,25 @@ def run(a) -> Optional[Calibration]:
     if not a.plan_only and port_in_use(a.port):  # before minutes of measuring
         raise SpecdrafterError(f"port {a.port} is in use (another server?): choose another with --port")
     k, p_min, cal = a.k, a.p_min, None
+    verb, note = ("would be", " (--plan-only: nothing is served now)") if a.plan_only else ("is", "")
     if k is None:
         cal = plan(drafter, target, a.threads, a.replan)
         print("\n".join(advice(cal)))
         choice = cal.choose()
         if choice.pays:
             k, p_min = choice.k, choice.p_min
-            print(f"serving with the drafter at {choice.flags()}: predicted {choice.predicted:.2f}× over the "
-                  "target alone", flush=True)
+            print(f"the drafter {verb} served at {setting(k, p_min)}: predicted {choice.predicted:.2f}× over the "
+                  f"target alone{note}", flush=True)
         else:
             needed = cal.alpha_needed(1 + choice.noise)
             would = (f"at these costs it would take an acceptance of {needed:.2f} per draft" if needed else
                      "no acceptance would make it pay at these costs")
-            print(f"no k pays here: the best, k = {choice.k}, is predicted {choice.predicted:.2f}× (timing noise "
-                  f"±{choice.noise:.0%}), so the target is served without the drafter; {would} (this drafter: "
-                  f"{cal.reach[0]:.2f} at the first). Train it longer, or pass --k N to serve it anyway.", flush=True)
+            print(f"no k pays here: the best, {setting(choice.k, choice.p_min)}, is predicted {choice.predicted:.2f}× "
+                  f"(timing noise ±{choice.noise:.0%}), so the target {verb} served without the drafter{note}; {would} (this "
+                  f"drafter: {cal.reach[0]:.2f} at the first). Train it longer, or pass --k N to serve it anyway.",
+                  flush=True)
+    else:
+        print(f"the drafter {verb} served at {setting(k, p_min)}, as --k asks (no plan measured){note}", flush=True)
     if a.plan_only:
         return cal
     if k is None:

@@ -4,9 +4,12 @@
 core/llamacpp.py built, waits for `/health` and raises one SpecdrafterError line if it cannot (a port in use, the
 server exiting during start-up with the last line of its log, no answer within `startup_s`); leaving stops it
 (SIGTERM, then SIGKILL after `STOP_S`). A server is also stopped when the interpreter exits (atexit) and when the
-process gets SIGTERM, so Ctrl-C or a killed job leaves no llama-server behind. `complete()` sends one /completion
-of token ids and returns the reply; a server that dies mid-run is `ServerDied`, a SpecdrafterError naming its exit
-status and its log's last line.
+process gets SIGTERM or SIGHUP (a closed terminal), so Ctrl-C or a killed job leaves no llama-server behind. Where
+no handler can run (SIGKILL, a crash), the kernel ends the server: on Linux it is started with the parent-death signal
+SIGKILL (prctl PR_SET_PDEATHSIG), which fires when the *thread* that started it ends, so only a server started from
+the main thread gets it (one started from another thread is still stopped on every other path). `complete()` sends
+one /completion of token ids and returns the reply; a server that dies mid-run is `ServerDied`, a SpecdrafterError
+naming its exit status and its log's last line.
 
 Threads: ggml's worker threads spin while they wait, so on a shared machine `threads=1` (the default) and one server
 at a time; two servers, or a server beside a torch job, on 2 cores distort each other's timings badly.
@@ -15,10 +18,13 @@ at a time; two servers, or a server beside a torch job, on 2 cores distort each 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,13 +32,15 @@ import urllib.error
 import urllib.request
 from http.client import HTTPException
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 
 STOP_S = 10.0
-_RUNNING: Dict[int, "LlamaServer"] = {}  # pid → server, stopped at exit or on SIGTERM
+_RUNNING: Dict[int, "LlamaServer"] = {}  # pid → server, stopped at exit or on SIGTERM / SIGHUP
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # handled like Ctrl-C: the servers are stopped, then the process exits
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ServerDied(SpecdrafterError):
@@ -97,10 +105,10 @@ class LlamaServer:
         elif port_in_use(self.port):
             raise SpecdrafterError(f"port {self.port} is in use (another server?): choose another with --port")
         binary = llamacpp.binary("llama-server")
-        _stop_on_sigterm()
+        _stop_on_signals()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen([str(binary), *self.command()], stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, preexec_fn=_dies_with_this_thread())
         _RUNNING[self.process.pid] = self
         try:
             self._wait_ready()
@@ -196,16 +204,34 @@ def _stop_all() -> None:
         server.stop()
 
 
-def _on_sigterm(signum, frame) -> None:
+def _on_stop_signal(signum, frame) -> None:
     _stop_all()
     raise SystemExit(128 + signum)
 
 
-def _stop_on_sigterm() -> None:
-    """A SIGTERM to this process stops its servers first (only the main thread may set a handler; one already set,
-    e.g. by a job runner, is left alone)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+def _stop_on_signals() -> None:
+    """A SIGTERM or SIGHUP to this process stops its servers first (only the main thread may set a handler; one
+    already set, e.g. by a job runner, or a signal ignored, e.g. under nohup, is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _on_stop_signal)
+
+
+def _dies_with_this_thread() -> Optional[Callable[[], None]]:
+    """Popen's preexec_fn that has the kernel SIGKILL the child when this process ends however it ends, SIGKILL
+    included (Linux). The parent-death signal fires when the thread that forked the child ends, so it is set only
+    from the main thread, which lives as long as the process (None elsewhere, and off Linux)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: no signal would come
+            os._exit(1)
+    return preexec
 
 
 atexit.register(_stop_all)

@@ -3,6 +3,7 @@ in llama-server and says when no block length pays, serves until Ctrl-C and leav
 in one line; llama-server with each drafter family decodes as the target alone at T = 0. Needs the llama.cpp build."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -18,9 +19,10 @@ from conftest import tiny_llama_config
 from transformers import LlamaForCausalLM
 
 from specdrafter.core import llamacpp
-from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.eval.llamacpp import Calibration, Cut, first_difference, side_by_side
-from specdrafter.export.serve import has_confidence, main, resolve_drafter
+from specdrafter.export.formats import export
+from specdrafter.export.serve import has_confidence, main, plan_path, resolve_drafter
 from specdrafter.inference.llama_server import LlamaServer, ServerDied, free_port
 
 pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
@@ -48,11 +50,10 @@ def test_a_random_head_is_measured_and_not_served_since_no_k_pays(capsys, drafte
     assert "measuring" not in again and "no k pays here" in again
 
 
-def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of, tmp_path):
-    run = drafter_run_of("dspark")
-    port = free_port()
+def start_serving(run: Path, port: int, log: Path) -> subprocess.Popen:
+    """`specdrafter-serve RUN --k 2 --port PORT` as a job of its own, returned once its llama-server answers."""
     # its output goes to a file: an unread pipe fills up with the export's progress lines and blocks the job
-    out = (tmp_path / "serve.log").open("w")
+    out = log.open("w")
     # Ctrl-C's default disposition in the job, as in a terminal: a suite started in the background of a shell (`cmd &`)
     # hands its children SIGINT ignored, and the job would never see the signal this test sends
     job = subprocess.Popen([sys.executable, "-m", "specdrafter.export.serve", str(run), "--k", "2", "--port",
@@ -62,18 +63,54 @@ def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of, tmp_path)
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            break
+            return job
         except OSError:
-            assert job.poll() is None, (tmp_path / "serve.log").read_text()
+            assert job.poll() is None, log.read_text()
             assert time.time() < deadline, "the server did not come up"
             time.sleep(0.5)
+
+
+def servers_on(port: int) -> list:
+    """The pids of the llama-server processes started with --port PORT (an exited one's cmdline reads empty)."""
+    return [int(cmd.parent.name) for cmd in Path("/proc").glob("[0-9]*/cmdline")
+            if "llama-server" in _reads(cmd) and f"--port\0{port}\0" in _reads(cmd)]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_the_server_runs_until_ctrl_c_and_none_is_left(drafter_run_of, tmp_path):
+    port = free_port()
+    job = start_serving(drafter_run_of("dspark"), port, tmp_path / "serve.log")
     job.send_signal(signal.SIGINT)
     assert job.wait(timeout=60) == 130, (tmp_path / "serve.log").read_text()[-2000:]
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
-    left = [cmd for cmd in Path("/proc").glob("[0-9]*/cmdline")
-            if "llama-server" in _reads(cmd) and f"--port\0{port}\0" in _reads(cmd)]
-    assert left == []  # no llama-server process is left with that port
+    assert not listening(port)  # nothing listens there any more
+    assert servers_on(port) == []  # no llama-server process is left with that port
+    # --k serves the drafter at that k, and says so
+    assert "the drafter is served at k = 2 (--spec-draft-n-max 2), as --k asks" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP])
+def test_no_server_outlives_a_launcher_killed_or_hung_up(drafter_run_of, tmp_path, how):
+    """`kill -9` of the launcher (no handler runs: the kernel's parent-death signal ends its server) and SIGHUP (a
+    closed terminal: handled as SIGTERM) leave no llama-server and nothing listening on the port, within seconds."""
+    port = free_port()
+    job = start_serving(drafter_run_of("dspark"), port, tmp_path / "serve.log")
+    started = servers_on(port)
+    try:
+        assert len(started) == 1
+        job.send_signal(how)
+        code = job.wait(timeout=60)
+        deadline = time.time() + 5
+        while (servers_on(port) or listening(port)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert servers_on(port) == [] and not listening(port)
+        assert code == (-signal.SIGKILL if how == signal.SIGKILL else 128 + signal.SIGHUP)  # SIGHUP: handled
+    finally:
+        for pid in servers_on(port):  # a server left behind (the defect) is not left to the next test
+            os.kill(pid, signal.SIGKILL)
 
 
 def _reads(cmdline: Path) -> str:
@@ -83,9 +120,55 @@ def _reads(cmdline: Path) -> str:
         return ""
 
 
-def test_k_above_the_block_is_one_line(capsys, drafter_run_of):
-    line = refusal([str(drafter_run_of("dspark")), "--k", "9", "--plan-only"])
-    assert line == "error: --k 9: this draft-dspark drafter drafts at most 4 tokens a step"
+def test_a_vllm_export_is_converted_as_the_export_it_is(capsys, tmp_path, drafter_run_of, gguf_target_dir):
+    """A --format vllm export is what llama.cpp's converter reads: served as that folder (converted once, into the
+    cache), never as its parent, and converted to the same GGUF as the checkpoint it was exported from."""
+    run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
+    folder = export(run, "vllm", tmp_path / "exports" / "eagle3-vllm")
+    main([str(folder), "--target-dir", str(gguf_target_dir), "--k", "2", "--plan-only"])
+    out = capsys.readouterr().out
+    assert f"converting the --format vllm export {folder} to GGUF" in out and f"{folder.parent} " not in out
+    assert "the drafter would be served at k = 2 (--spec-draft-n-max 2), as --k asks (no plan measured) (--plan-only: " \
+           "nothing is served now)" in out
+    converted, trained = resolve_drafter(folder, gguf_target_dir), resolve_drafter(run)
+    assert converted.spec_type == "draft-eagle3" and converted.facts["target_layers"] == [1, 3, 5]
+    assert converted.facts["tensors"] == trained.facts["tensors"]
+    main([str(folder), "--target-dir", str(gguf_target_dir), "--k", "2", "--plan-only"])
+    assert "converting" not in capsys.readouterr().out  # once
+
+
+def test_an_sglang_export_is_refused_naming_it(capsys, tmp_path, drafter_run_of):
+    """SGLang's layer ids are ours − 1 and its EAGLE-3 folder has no top-level ids: llama.cpp's converter would read
+    the head on the wrong layers. One line naming the folder given and what to pass instead."""
+    folder = export(drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0"), "sglang", tmp_path / "eagle3-sglang")
+    assert refusal([str(folder), "--plan-only"]) == (
+        f"error: '{folder}' is a --format sglang export of an EAGLE-3 head; llama.cpp's converter reads the --format "
+        "vllm layout: pass the checkpoint it was exported from, or its --format vllm or --format gguf export")
+
+
+def test_the_advice_names_the_setting_it_priced_and_what_plan_only_would_serve(capsys, drafter_run_of):
+    """The best setting is a confidence cut that does not pay: the advice names it (k and p_min), not plain k, and
+    --plan-only says what would be served. The plan is written to the cache as a measurement would be."""
+    run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
+    drafter = resolve_drafter(run)
+    target = llamacpp.target_gguf(drafter.target_folder)
+    cal = Calibration("draft-eagle3", 8, {1: 0.5, 8: 4.0}, [0.4, 0.16, 0.06, 0.02, 0.01, 0, 0, 0],
+                      {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}, 0.02, 50.0, 1, 6, 64, [Cut(0.7, 1.3, 0.5, 1.3)])
+    choice = cal.choose()
+    assert (choice.k, choice.p_min, choice.pays) == (8, 0.7, False) and cal.predicted(1) < 0.9
+    atomic_write_json(plan_path(drafter, target, 1), cal.to_json())
+    main([str(run), "--plan-only"])
+    out = capsys.readouterr().out
+    assert "measuring" not in out
+    assert ("no k pays here: the best, k = 8 with p_min 0.7 (--spec-draft-n-max 8 --spec-draft-p-min 0.7), is "
+            "predicted 1.00×") in out
+    assert "so the target would be served without the drafter (--plan-only: nothing is served now)" in out
+
+
+@pytest.mark.parametrize("k", [0, 9])
+def test_k_outside_the_block_is_one_line(capsys, drafter_run_of, k):
+    line = refusal([str(drafter_run_of("dspark")), "--k", str(k), "--plan-only"])
+    assert line == f"error: --k {k}: k must be between 1 and 4 (this draft-dspark drafter drafts at most 4 tokens a step)"
 
 
 def test_a_port_in_use_is_one_line(capsys, drafter_run_of):
