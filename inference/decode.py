@@ -174,20 +174,20 @@ def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Sequ
     lengths = BlockLength(k, tuner)
     observer = CycleObserver(tuner, audit=params if record_tv and asd is None else None)
     with capture_features(target, proposer.feature_layers) as features:  # EAGLE / Medusa read target features
-        result = _chain_loop(target, Drafter(proposer, features), request, rule, lengths, observer)
+        result = _chain_loop(target, Drafting(proposer, features), request, rule, lengths, observer)
     result.cycles, result.asd_regret = observer.stats, rule.regret
     return result
 
 
-def _chain_loop(target, drafter: "Drafter", request: Request, rule: "ChainRule", lengths: "BlockLength",
+def _chain_loop(target, drafting: "Drafting", request: Request, rule: "ChainRule", lengths: "BlockLength",
                 observe: CycleObserver) -> GenerationResult:
-    committed, cache = _prefill(target, request.prompt_ids, request.max_new_tokens + lengths.max_k)
-    drafter.start()
+    committed, cache = _prefill(target, request, lengths.max_k)
+    drafting.start()
     result, done = GenerationResult([]), False
     while not done:
         k = lengths.choose()  # from past cycles only: exactness holds for any k
         laps = Laps()
-        proposal = drafter.proposer.propose(committed, k, rule.params, rule.generator)
+        proposal = drafting.proposer.propose(committed, k, rule.params, rule.generator)
         laps.mark()
         ids = torch.tensor([[committed[-1]] + proposal.tokens.tolist()], device=device_of(target))  # [1, k+1]
         saved = snapshot(cache)  # a recurrent layer's state before the pass (None for attention-only targets)
@@ -198,14 +198,14 @@ def _chain_loop(target, drafter: "Drafter", request: Request, rule: "ChainRule",
         kept = range(verdict.num_accepted + 1)  # newest_committed + the accepted drafts
         rollback(target, cache, ids, kept, saved)  # rollback: the target cache drops the rejected drafts
         new = proposal.tokens[:verdict.num_accepted].tolist() + [verdict.next_token]
-        drafter.advance(len(committed) + len(new), kept)
+        drafting.advance(len(committed) + len(new), kept)
         observe(Cycle(len(proposal.tokens), verdict.num_accepted, ids.shape[1], laps, proposal, logits))
         done = _commit(new, committed, result, request)
     return result
 
 
 @dataclass
-class Drafter:
+class Drafting:
     """The proposer and the target features it reads (captured by the target's pass; None when it reads none)."""
     proposer: Proposer
     features: Optional[Dict[int, torch.Tensor]]
@@ -300,20 +300,20 @@ def tree_speculative_generate(target: nn.Module, proposer: TreeProposer, prompt_
     request = Request(prompt_ids, max_new_tokens, frozenset(eos_token_ids))
     observer = CycleObserver(sizer=sizer, tree_probs=lambda: proposer.node_probs)
     with capture_features(target, proposer.feature_layers) as features:
-        result = _tree_loop(target, Drafter(proposer, features), request, accept or exact_tree_acceptance(params, generator),
+        result = _tree_loop(target, Drafting(proposer, features), request, accept or exact_tree_acceptance(params, generator),
                             sizer, observer)
     result.cycles = observer.stats
     return result
 
 
-def _tree_loop(target, drafter: Drafter, request: Request, accept: TreeAcceptance, sizer: Optional[TreeSizeTuner],
+def _tree_loop(target, drafting: Drafting, request: Request, accept: TreeAcceptance, sizer: Optional[TreeSizeTuner],
                observe: CycleObserver) -> GenerationResult:
-    committed, cache = _prefill(target, request.prompt_ids, request.max_new_tokens + drafter.proposer.max_tree_size)
-    drafter.start()
+    committed, cache = _prefill(target, request, drafting.proposer.max_tree_size)
+    drafting.start()
     result, done = GenerationResult([]), False
     while not done:
         laps = Laps()
-        shape, tokens = drafter.proposer.propose_tree(committed, sizer)  # tokens: [N+1]
+        shape, tokens = drafting.proposer.propose_tree(committed, sizer)  # tokens: [N+1]
         laps.mark()
         logits = tree_pass(target, cache, shape, tokens, past=len(committed) - 1)  # [N+1, V]
         laps.mark()
@@ -322,7 +322,7 @@ def _tree_loop(target, drafter: Drafter, request: Request, accept: TreeAcceptanc
         kept = [0] + accepted  # tree slots to keep: the root and the accepted path
         rollback(target, cache, tokens[None], kept, None)  # rollback: the target cache drops the rejected branches
         new = [int(tokens[j]) for j in accepted] + [next_token]
-        drafter.advance(len(committed) + len(new), kept)
+        drafting.advance(len(committed) + len(new), kept)
         observe(Cycle(max(shape.depths), len(accepted), shape.size, laps, shape=shape, accepted_nodes=accepted))
         done = _commit(new, committed, result, request)
     return result
@@ -354,12 +354,17 @@ def check_request(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: 
         raise SpecdrafterError(f"prompt token {bad!r} is not a token id of the target (0 ≤ id < {vocab})")
 
 
-def _prefill(target: nn.Module, prompt_ids: Sequence[int], room: int) -> Tuple[List[int], DynamicCache]:
-    """Check the prompt fits with `room` more positions, and fill the target cache with all but its newest token."""
+def _prefill(target: nn.Module, request: Request, block: int) -> Tuple[List[int], DynamicCache]:
+    """Check the prompt fits with max_new_tokens and one draft `block` (k, or a tree's nodes) more positions, and fill
+    the target cache with all but its newest token."""
+    prompt_ids = request.prompt_ids
     context = getattr(target.config, "max_position_embeddings", None)
-    if context and len(prompt_ids) + room > context:
-        raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens + one draft block or tree "
-                              f"({len(prompt_ids)} + {room} positions) exceeds the target's context of {context} tokens")
+    need = len(prompt_ids) + request.max_new_tokens + block
+    if context and need > context:
+        raise ContextOverflow(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) + one draft "
+                              f"block or tree ({block}) = {need} positions, which exceeds the target's context of "
+                              f"{context} tokens: the draft block must fit too (shorten the prompt, or lower "
+                              "max_new_tokens or k)")
     committed, cache = list(prompt_ids), new_cache(target)
     if len(committed) > 1:
         target(input_ids=torch.tensor([committed[:-1]], device=device_of(target)), cache=cache, use_cache=True,

@@ -137,6 +137,10 @@ def test_bad_input_is_refused_in_one_line(tiny_pair):
         speculative_generate(target, DraftModelProposer(draft), PROMPTS[0], 5, k=0)
     with pytest.raises(SpecdrafterError, match="exceeds the target's context of 512"):
         speculative_generate(target, DraftModelProposer(draft), list(range(1, 300)) * 2, 5)
+    # the prompt and max_new_tokens fit (505 + 5 <= 512), the draft block does not: the message says so, with numbers
+    with pytest.raises(SpecdrafterError, match=r"max_new_tokens \(5\) \+ one draft block or tree \(4\) = 514 positions.*"
+                                               r"the draft block must fit too"):
+        speculative_generate(target, DraftModelProposer(draft), list(range(1, 300)) + list(range(1, 207)), 5, k=4)
     with pytest.raises(SpecdrafterError, match="empty prompt"):
         speculative_generate(target, DraftModelProposer(draft), [], 5)
     with pytest.raises(SpecdrafterError, match="greedy decoding only"):
