@@ -94,7 +94,7 @@ class LlamaCpp:
 # the layer inputs an EAGLE-3, DFlash or DSpark drafter reads, and llama-server aborts at its first request ("layer
 # input tensor is null").
 NO_LAYER_INPUTS = {"Gemma3ForCausalLM": "Gemma 3", "Gemma3ForConditionalGeneration": "Gemma 3",
-                   "DeepseekV3ForCausalLM": "DeepSeek-V3"}
+                   "DeepseekV3ForCausalLM": "DeepSeek-V3", "Qwen2ForCausalLM": "Qwen2"}
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,16 @@ FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention
 
 # The architectures of the target matrix (docs/targets.md), by config.model_type: each row is decoded exactly by the
 # tests (tests/test_targets.py). Anything else is refused in one line unless target.untested_architecture is set.
-MATRIX = {"llama": "Llama 3", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mistral": "Mistral",
+MATRIX = {"llama": "Llama 3", "qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mistral": "Mistral",
           "gemma3_text": "Gemma 3 (text)", "gpt_oss": "gpt-oss", "deepseek_v3": "DeepSeek-V3", "qwen3_next": "Qwen3-Next"}
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def tiny_config(name: str, vocab_size: int = 16, window: int = 8):
     """A toy config of matrix row `name` (a model_type, "gemma3" for Gemma 3's text model) with the architecture's own
-    features on — MoE routing, a sliding window of `window`, gpt-oss's sinks, MLA, linear-attention layers — at 4
-    layers and width 64: what the tests and benchmarks build random targets of each row from."""
+    features on — Qwen2's attention biases, MoE routing, a sliding window of `window`, gpt-oss's sinks, MLA,
+    linear-attention layers — at 4 layers and width 64: what the tests and benchmarks build random targets of each row
+    from."""
     import transformers
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
@@ -44,6 +45,7 @@ def tiny_config(name: str, vocab_size: int = 16, window: int = 8):
     experts = dict(num_experts_per_tok=2, moe_intermediate_size=32)
     rows = {
         "llama": ("LlamaConfig", {}),
+        "qwen2": ("Qwen2Config", {}),  # biases on q, k and v (transformers' Qwen2 always has them), none on o
         "qwen3": ("Qwen3Config", dict(head_dim=16)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, **experts)),
         "mistral": ("MistralConfig", dict(sliding_window=window)),
@@ -166,7 +168,7 @@ def check_architecture(config, untested_ok: bool = False) -> None:
 
 def nearest_architecture(config) -> str:
     """The matrix row whose mechanics `config` shares: recurrent layers, MLA, experts, sliding windows; else the
-    closest model_type by name (qwen2 → qwen3), else llama."""
+    closest model_type by name (ministral → mistral), else llama."""
     config = getattr(config, "text_config", None) or config
     types = set(layer_types(config))
     experts = any(getattr(config, k, None) for k in EXPERT_KEYS)

@@ -12,7 +12,7 @@ import torch
 from conftest import RECIPES, REPO, TINY
 from omegaconf import OmegaConf
 from test_targets import ARCHS, multimodal_gemma3, tokenizer_ids
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
@@ -37,6 +37,7 @@ OVERRIDES = {
 NO_LAYER_INPUTS = "cannot serve .* its graph for that target does not expose the layer inputs"
 REFUSED = {("gemma3", k): NO_LAYER_INPUTS for k in ("eagle3", "dflash", "dspark")}
 REFUSED |= {("deepseek_v3", k): NO_LAYER_INPUTS for k in ("eagle3", "dflash", "dspark")}
+REFUSED |= {("qwen2", k): NO_LAYER_INPUTS for k in ("eagle3", "dflash", "dspark")}  # qwen2.cpp records no t_layer_inp
 REFUSED |= {("qwen3_moe", k): "converter fails on .* Qwen3-MoE target" for k in ("dflash", "dspark")}
 # llama-server aborts at start-up on a 1-layer draft of Qwen3-Next (its one layer linear attention, no KV cache to
 # allocate: GGML_ASSERT(buffer)), so the export refuses a draft model without a full-attention layer
@@ -51,25 +52,46 @@ NEW = 24
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, smollm2_tokenizer):
+def tokenizer_of(smollm2_tokenizer):
+    """The tokenizer of each row's target: SmolLM2's, and Qwen's own for Qwen2. transformers reads any tokenizer saved
+    beside a qwen2 config as Qwen2Tokenizer, whose pre-tokenizer (Qwen's) makes SmolLM2's vocabulary a tokenizer
+    llama.cpp's converter does not recognise, so that row takes the real one (llama.cpp's vocabulary test file)."""
+    qwen = []
+
+    def get(name):
+        if name != "qwen2":
+            return smollm2_tokenizer
+        if not qwen:
+            models = llamacpp.source_dir() / "models"
+            tokenizer = AutoTokenizer.from_pretrained(str(models), gguf_file="ggml-vocab-qwen2.gguf")
+            tokenizer.chat_template = (models / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+            tokenizer.eos_token = "<|im_end|>"
+            qwen.append(tokenizer)
+        return qwen[0]
+    return get
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer_of):
     """name → (HF folder, target GGUF, the target's greedy answer in llama-server), made once per architecture."""
     made = {}
 
     def make(name):
         if name not in made:
             folder = tmp_path_factory.mktemp(f"llamacpp-{name}")
+            tokenizer = tokenizer_of(name)
             config = ARCHS[name]()
             config.update(LLAMACPP_LAYOUT.get(name, {}))
-            config.vocab_size = len(smollm2_tokenizer)
-            config.bos_token_id = smollm2_tokenizer.bos_token_id
-            config.eos_token_id = config.pad_token_id = smollm2_tokenizer.eos_token_id
+            config.vocab_size = len(tokenizer)
+            config.bos_token_id = tokenizer.bos_token_id
+            config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
             config.tie_word_embeddings = False
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config)
             with torch.no_grad():
                 model.lm_head.weight.mul_(30.0)  # decisive greedy: no near-ties for rounding to flip
             model.save_pretrained(folder / "target")
-            smollm2_tokenizer.save_pretrained(folder / "target")
+            tokenizer.save_pretrained(folder / "target")
             gguf = folder / "target.gguf"
             llamacpp.convert(folder / "target", gguf)
             with LlamaServer(gguf, context=512, threads=1) as server:
@@ -97,9 +119,9 @@ def drafter_run(tmp_path, folder, kind, tokenizer, overrides=None):
 @pytest.mark.parametrize("kind", list(SPEC_TYPES))
 @pytest.mark.parametrize("name", NAMES)
 def test_each_family_serves_each_target_in_llamacpp_as_the_target_alone_or_is_refused(
-        name, kind, served, tmp_path, smollm2_tokenizer, one_thread):
+        name, kind, served, tmp_path, tokenizer_of, one_thread):
     folder, gguf, alone = served(name)
-    run, _ = drafter_run(tmp_path, folder, kind, smollm2_tokenizer)
+    run, _ = drafter_run(tmp_path, folder, kind, tokenizer_of(name))
     if (name, kind) in REFUSED:
         with pytest.raises(SpecdrafterError, match=REFUSED[name, kind]):
             export(run, "gguf", tmp_path / "gguf")
