@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
 from specdrafter.core.recipe import DrafterKind, read_yaml, save_recipe
+from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.decode import ContextOverflow, GenerationResult, acceptance_rate, alpha_per_token, positions_tried
@@ -222,8 +223,8 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     """The drafter saved in `folder` decodes the first eval.num_prompts ≤ MAX_PROMPTS prompts of eval.sets[0] (greedy,
     a chain of block length inference.k) with the training process's `target`: {"decode/tau", "decode/alpha"} over
     all their cycles (α as `inference/decode.py:acceptance_rate` defines it)."""
-    c = cfg.copy()
-    c.drafter.path, c.inference.tree, c.inference.dynamic_tree.total_tokens = str(folder), [], 0
+    c = as_chain(cfg)
+    c.drafter.path = str(folder)
     c.inference.temperature, c.inference.verifier, c.inference.max_new_tokens = 0.0, "exact", cfg.eval.max_new_tokens
     serving = kind_of(c).serving_target(folder, target)
     proposer = kind_of(c).proposer(c, serving, str(folder))  # the drafter in the target's dtype, beside it on its device
