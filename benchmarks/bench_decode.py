@@ -43,6 +43,7 @@ from specdrafter.core.recipe import DrafterKind, EvalVerifier
 from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
+from specdrafter.engines.serve import gguf_pair, plan
 from specdrafter.eval import llamacpp as llama_arm
 from specdrafter.eval.acceptance import (
     NOISY,
@@ -54,7 +55,6 @@ from specdrafter.eval.acceptance import (
     spread_label,
 )
 from specdrafter.eval.report import machine_line
-from specdrafter.export.serve import gguf_pair, plan
 from specdrafter.export.source import target_of
 from specdrafter.inference.autotune import TreeSizeTuner, measure_pass_costs
 from specdrafter.inference.decode import GenerationResult

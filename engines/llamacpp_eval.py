@@ -40,11 +40,11 @@ from transformers import AutoTokenizer
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import EvalEngine
 from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
+from specdrafter.engines.serve import Drafter, gguf_pair, has_confidence, plan
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
-from specdrafter.export.serve import Drafter, gguf_pair, has_confidence, plan
 from specdrafter.export.source import target_of
 from specdrafter.kinds import kind_of
 

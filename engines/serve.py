@@ -48,11 +48,11 @@ from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, read_gguf, write_gguf
 from specdrafter.export.source import Source, find_source, target_of
 from specdrafter.inference.llama_server import LlamaServer, port_in_use
+from specdrafter.kinds import KINDS, Kind, kind_of_gguf
+from specdrafter.kinds.base import LlamaCpp
 
-MAX_K = 8  # the longest chain an EAGLE-3 head or a draft model is planned with
 PLAN_PROMPTS, PLAN_TOKENS = 6, 64  # MT-Bench prompts × tokens each, per calibration arm
 PLAN_VERSION = 2  # part of a cached plan's key: a plan measured another way is measured again (2: c at k = 1..4 and K)
-SPEC_TYPES = {"eagle3": "draft-eagle3"}  # GGUF architecture → --spec-type, beside the block drafters' (see spec_type)
 
 
 @dataclass
@@ -60,26 +60,33 @@ class Drafter:
     """A drafter GGUF and what serving it needs."""
 
     gguf: Path
-    spec_type: str
-    max_k: int
+    kind: Kind  # the kind its GGUF holds (kinds.kind_of_gguf), whose export.llamacpp record says how it is served
     facts: dict  # read_gguf's
     target_folder: Optional[Path]  # the target's HF folder, where the recipe names one this machine has
 
+    @property
+    def engine(self) -> LlamaCpp:
+        return self.kind.export.llamacpp
 
-def spec_type(facts: dict) -> str:
-    """llama-server's --spec-type for a drafter GGUF: its architecture (DSpark is DFlash's, plus a Markov head)."""
-    if facts["arch"] == "dflash":
-        return "draft-dspark" if any("markov" in name for name in facts["tensors"]) else "draft-dflash"
-    return SPEC_TYPES.get(facts["arch"], "draft-simple")  # a draft model of any architecture
+    @property
+    def spec_type(self) -> str:
+        """llama-server's --spec-type for it."""
+        return self.engine.spec_type
+
+    @property
+    def max_k(self) -> int:
+        """The most draft tokens one step can take (a block drafter: its block)."""
+        return self.engine.longest_block(self.facts)
 
 
-def longest_block(facts: dict, spec: str) -> int:
-    """The most draft tokens one step can take: a block drafter's block (DFlash's anchor is not a draft)."""
-    block = facts["fields"].get("dflash.block_size")
-    if block is None:
-        return MAX_K
-    anchor = facts["fields"].get("dflash.sample_from_anchor", True)
-    return int(block) if spec == "draft-dspark" and anchor else int(block) - 1
+def drafter_kind(gguf: Path, facts: dict) -> Kind:
+    """The kind a drafter GGUF holds, or one line naming its architecture when no kind llama.cpp serves declares it."""
+    kind = kind_of_gguf(facts)
+    if kind is None:
+        raise SpecdrafterError(f"{str(gguf)!r} is a GGUF of architecture {facts['arch']!r}, which no drafter kind "
+                               "llama.cpp serves declares (an EAGLE-3 head, a DFlash or DSpark drafter, or a draft model "
+                               "with the target's vocabulary)")
+    return kind
 
 
 def resolve_drafter(path: Path, target_dir: Optional[Path] = None) -> Drafter:
@@ -94,11 +101,11 @@ def resolve_drafter(path: Path, target_dir: Optional[Path] = None) -> Drafter:
         raise SpecdrafterError(f"{str(path)!r} is not a drafter GGUF, an export folder with {DRAFT_FILE}, "
                                "or a checkpoint")
     facts = read_gguf(gguf)
-    spec = spec_type(facts)
+    kind = drafter_kind(gguf, facts)
     recipe = gguf.parent / "recipe.yaml"
     if folder is None and recipe.is_file():  # an export's recipe names its target by Hub id or folder name
         folder = target_of(OmegaConf.load(recipe)).folder
-    return Drafter(gguf, spec, longest_block(facts, spec), facts, folder)
+    return Drafter(gguf, kind, facts, folder)
 
 
 def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
@@ -128,7 +135,8 @@ def convert_export(folder: Path, fmt: str, target_dir: Optional[Path]) -> Tuple[
     spec = src.kind.export.llamacpp if src.kind.export else None
     if spec is None:
         raise SpecdrafterError(f"{str(folder)!r} is a --format {fmt} export of {src.kind.description}, which llama.cpp "
-                               "does not serve (its --spec-type has draft, draft-eagle3, draft-dflash and draft-dspark)")
+                               "does not serve (it serves " + ", ".join(k.description for k in KINDS.values()
+                                                                  if k.export and k.export.llamacpp) + ")")
     if fmt != spec.converts:
         raise SpecdrafterError(f"{str(folder)!r} is a --format {fmt} export of {src.kind.description}; llama.cpp's "
                                f"converter reads the --format {spec.converts} layout: pass the checkpoint it was "
@@ -160,9 +168,8 @@ def copy_export(src: Source, stage: Path, target, fmt: str) -> None:
 
 
 def has_confidence(drafter: Drafter) -> bool:
-    """Whether llama.cpp can cut this drafter's drafts by confidence: every kind but a DSpark drafter trained
-    without its confidence head (llama-server refuses --spec-draft-p-min > 0 for one)."""
-    return drafter.spec_type != "draft-dspark" or drafter.facts["fields"].get("dflash.has_confidence_head", True)
+    """Whether llama.cpp can cut this drafter's drafts by confidence (--spec-draft-p-min): the kind's record says."""
+    return drafter.engine.confidence_cut(drafter.facts)
 
 
 def check_pair(drafter: Drafter, target: Path) -> dict:
@@ -281,8 +288,8 @@ def run(a) -> Optional[Calibration]:
         raise SpecdrafterError(f"--k {a.k}: k must be between 1 and {drafter.max_k} (this {drafter.spec_type} drafter "
                                f"drafts at most {drafter.max_k} tokens a step)")
     if a.p_min and not has_confidence(drafter):
-        raise SpecdrafterError(f"--p-min {a.p_min:g}: this DSpark drafter has no confidence head to cut by (llama-server "
-                               "takes only --spec-draft-p-min 0 for it)")
+        raise SpecdrafterError(f"--p-min {a.p_min:g}: this {drafter.kind.description} has no confidence head to cut by "
+                               "(llama-server takes only --spec-draft-p-min 0 for it)")
     if a.target_gguf is None and drafter.target_folder is None:
         raise SpecdrafterError("the drafter's target is not on this machine: give it with --target-gguf (and "
                                "--target-dir for its tokenizer)")

@@ -31,7 +31,8 @@ class DraftLlamaCpp(LlamaCpp):
     """llama.cpp's draft-simple: a draft model of any architecture, reading tokens only."""
 
     def serves(self, facts: dict) -> bool:
-        return True  # any GGUF no other kind claims (the table asks this kind last)
+        """A causal LM of any architecture (the table asks this kind last): token embeddings and a block count."""
+        return "token_embd.weight" in facts["tensors"] and f"{facts['arch']}.block_count" in facts["fields"]
 
     def check_config(self, config: dict) -> None:
         if set(config.get("layer_types") or ["?"]) == {"linear_attention"}:

@@ -6,7 +6,7 @@
 The same command is installed as `specdrafter-serve`; see docs/llamacpp.md.
 """
 
-from specdrafter.export.serve import main
+from specdrafter.engines.serve import main
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from specdrafter.export.serve import main as serve_main
+from specdrafter.engines.serve import main as serve_main
 
 
 def test_the_main_job_prints_its_usage_for_help():

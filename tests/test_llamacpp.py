@@ -1,6 +1,6 @@
-"""llama.cpp installed by the project (engines/llamacpp_build.py, core/llamacpp.py): every refusal is one line, a build is installed only once
-its stamp is written, and nothing here builds (a few seconds); the checks of the real build run only where
-`specdrafter-llamacpp install` has been run."""
+"""llama.cpp installed by the project (engines/llamacpp_build.py, core/llamacpp.py): every refusal is one line, a
+build is installed only once its stamp is written, and nothing here builds (a few seconds); the checks of the real
+build run only where `specdrafter-llamacpp install` has been run."""
 
 import dataclasses
 import hashlib

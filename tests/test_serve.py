@@ -1,4 +1,4 @@
-"""Serving in llama.cpp (export/serve.py, eval/llamacpp.py, inference/llama_server.py): the launcher measures a drafter
+"""Serving in llama.cpp (engines/serve.py, eval/llamacpp.py, inference/llama_server.py): the launcher measures a drafter
 in llama-server and says when no block length pays, serves until Ctrl-C and leaves no server behind, refuses bad input
 in one line; llama-server with each drafter family decodes as the target alone at T = 0. Needs the llama.cpp build."""
 
@@ -20,10 +20,11 @@ from transformers import LlamaForCausalLM
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
+from specdrafter.engines.serve import has_confidence, main, plan_path, resolve_drafter
 from specdrafter.eval.llamacpp import Calibration, Cut, first_difference, side_by_side
 from specdrafter.export.formats import export
-from specdrafter.export.serve import has_confidence, main, plan_path, resolve_drafter
 from specdrafter.inference.llama_server import LlamaServer, ServerDied, free_port
+from specdrafter.kinds import KINDS
 
 pytestmark = pytest.mark.skipif(not llamacpp.installed(), reason="llama.cpp is not built (specdrafter-llamacpp install)")
 
@@ -56,7 +57,7 @@ def start_serving(run: Path, port: int, log: Path) -> subprocess.Popen:
     out = log.open("w")
     # Ctrl-C's default disposition in the job, as in a terminal: a suite started in the background of a shell (`cmd &`)
     # hands its children SIGINT ignored, and the job would never see the signal this test sends
-    job = subprocess.Popen([sys.executable, "-m", "specdrafter.export.serve", str(run), "--k", "2", "--port",
+    job = subprocess.Popen([sys.executable, "-m", "specdrafter.engines.serve", str(run), "--k", "2", "--port",
                             str(port)], stdout=out, stderr=subprocess.STDOUT, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
@@ -197,6 +198,25 @@ def test_a_kind_llamacpp_cannot_serve_is_one_line(capsys, drafter_run_of):
     assert line.startswith("error: --format gguf: llama.cpp serves no drafter like")
 
 
+GGUF_OF_ARCH = """
+import sys, numpy as np, gguf
+w = gguf.GGUFWriter(sys.argv[1], sys.argv[2])
+w.add_block_count(1)
+w.add_tensor(sys.argv[3], np.zeros((4, 8), dtype=np.float32))
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+"""
+
+
+@pytest.mark.parametrize("arch, tensor", [("medusa", "heads.0.weight"), ("llama", "blk.0.attn_q.weight")])
+def test_a_gguf_no_kind_declares_is_one_line(capsys, tmp_path, arch, tensor):
+    """A GGUF whose architecture no kind's LlamaCpp record declares (a Medusa file; a causal LM without token
+    embeddings) is refused in one line naming it, before any server starts."""
+    path = tmp_path / f"{arch}.gguf"
+    subprocess.run([sys.executable, "-c", GGUF_OF_ARCH, str(path), arch, tensor], env=llamacpp.converter_env(), check=True)
+    line = refusal([str(path), "--plan-only"])
+    assert line.startswith(f"error: '{path}' is a GGUF of architecture '{arch}', which no drafter kind llama.cpp serves")
+
+
 def test_a_server_that_dies_mid_run_is_one_line(drafter_run_of):
     drafter = resolve_drafter(drafter_run_of("dspark"))
     with LlamaServer(llamacpp.target_gguf(drafter.target_folder)) as server:
@@ -260,7 +280,7 @@ def test_a_dspark_drafter_without_a_confidence_head_gets_no_cut(capsys, drafter_
     assert drafter.spec_type == "draft-dspark" and has_confidence(drafter)  # ours always has one
     drafter.facts["fields"]["dflash.has_confidence_head"] = False  # as another trainer's GGUF may say
     assert not has_confidence(drafter)
-    assert has_confidence(replace(drafter, spec_type="draft-dflash"))  # DFlash cuts by its top probability
+    assert has_confidence(replace(drafter, kind=KINDS["dflash"]))  # DFlash cuts by its top probability
 
 
 def test_p_min_without_k_is_one_line(capsys, tmp_path):
