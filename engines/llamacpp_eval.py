@@ -159,8 +159,9 @@ def both_speedups(data: dict) -> List[str]:
     cells = [c for c in arm.get("cells", []) if not c["sweep"] and c["temperature"] == 0]
     if cells:
         c, choice = cells[0], arm["choice"]
+        spread = "" if c["speedup_range"] is None else f" (range {c['speedup_range']})"  # one prompt: no spread
         lines.append(f"llama.cpp: {c['set']} T=0 k={c['k']}" + (f" p_min={c['p_min']:g}" if c.get("p_min") else "")
-                     + f": {c['speedup_median']:.2f}× (range {c['speedup_range']}), "
+                     + f": {c['speedup_median']:.2f}×{spread}, "
                      f"α {c['alpha']:.3f}, τ {c['tau']:.2f}, predicted {c['predicted_speedup']}×, identical to the "
                      f"target alone {c['identical']}/{c['prompts']}" + (f" ({len(c['departures'])} tie(s))"
                                                                           if c["departures"] else ""))

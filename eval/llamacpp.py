@@ -382,7 +382,7 @@ def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Seq
     rate = lambda answers: 1000 * sum(len(x.tokens) for x in answers) / sum(x.ms for x in answers)  # noqa: E731
     result = ArmResult(
         k, temperature, len(prompts), tokens, round(rate(alone), 2), round(rate(drafted), 2),
-        round(statistics.median_low(ratios), 3), round(range_of(ratios), 3), round(accepted / max(drafts, 1), 4),
+        round(statistics.median_low(ratios), 3), _rounded(range_of(ratios)), round(accepted / max(drafts, 1), 4),
         round(1 + accepted / sum(d.steps for d in drafted), 4), drafts, accepted,  # τ: the prompt pass's token aside
         None,
         None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])
@@ -404,3 +404,8 @@ def check_exact(result: ArmResult) -> None:
 
 class InexactVerifier(SpecdrafterError):
     """A T = 0 answer departed from target-only decoding where the target's choice was clear."""
+
+
+def _rounded(value: Optional[float]) -> Optional[float]:
+    """A spread to 3 places; None stays None (one prompt has no spread)."""
+    return None if value is None else round(value, 3)
