@@ -179,20 +179,46 @@ def index_urls(index_url: Optional[str] = None) -> List[str]:
     return list(dict.fromkeys([primary, *extra.split()]))
 
 
+# Asked of pip in a child process: importing pip here would switch off setuptools' distutils shim for the rest of this
+# process (setuptools' _distutils_hack, Python < 3.12), and a later `import setuptools` — torch's cpp_extension when
+# DeepSpeed builds its ops — would then fail.
+PIP_SETTINGS = """
+import json
+try:
+    from pip._internal.configuration import Configuration
+    from pip._internal.models.index import PyPI
+except Exception:
+    print(json.dumps({"pip": False}))
+    raise SystemExit
+try:
+    configuration = Configuration(isolated=False)
+    configuration.load()
+    items = {k: str(v) for k, v in configuration.items()}
+except Exception as e:
+    print(json.dumps({"pip": True, "error": (str(e).strip().splitlines() or [type(e).__name__])[0]}))
+    raise SystemExit
+print(json.dumps({"pip": True, "items": items, "default": PyPI.simple_url}))
+"""
+
+
+def _pip_settings() -> Dict:
+    """{"pip": bool, "items": pip's configuration (its own reader, which honours PIP_CONFIG_FILE, os.devnull
+    included), "default": pip's own default index}, read by the installed pip in a child process."""
+    done = subprocess.run([sys.executable, "-c", PIP_SETTINGS], capture_output=True, text=True)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"pip": False}
+
+
 def _pip_config() -> Dict[str, str]:
-    """index-url and extra-index-url from pip's configuration files, read by pip's own reader (which honours
-    PIP_CONFIG_FILE, os.devnull included); {} when pip is not installed here."""
-    try:
-        from pip._internal.configuration import Configuration
-    except Exception:  # no pip (a uv venv, say): the environment and --index-url still work
-        return {}
-    try:
-        configuration = Configuration(isolated=False)
-        configuration.load()
-        items = dict(configuration.items())
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise SpecdrafterError(f"could not read pip's configuration to find its package index ({first}); {INDEX_HINT}")
+    """index-url and extra-index-url from pip's configuration files; {} when pip is not installed here (a uv venv,
+    say: the environment and --index-url still work)."""
+    settings = _pip_settings()
+    if "error" in settings:
+        raise SpecdrafterError(f"could not read pip's configuration to find its package index ({settings['error']}); "
+                               f"{INDEX_HINT}")
+    items = settings.get("items", {})
     found = {}
     for key in ("index-url", "extra-index-url"):
         value = next((items[f"{section}.{key}"] for section in ("download", "install", "global")
@@ -204,12 +230,11 @@ def _pip_config() -> Dict[str, str]:
 
 def _pip_default_index() -> str:
     """pip's own default index, asked of the installed pip (no index address is written in this project)."""
-    try:
-        from pip._internal.models.index import PyPI
-        return PyPI.simple_url
-    except Exception:
+    default = _pip_settings().get("default")
+    if not default:
         raise SpecdrafterError("no package index is configured (no --index-url, PIP_INDEX_URL or pip configuration) "
-                               f"and pip is not installed here to name its default; {INDEX_HINT}") from None
+                               f"and pip is not installed here to name its default; {INDEX_HINT}")
+    return default
 
 
 def _shown(url: str) -> str:

@@ -9,6 +9,8 @@ import http.server
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from functools import partial
 from pathlib import Path
@@ -135,8 +137,9 @@ def test_pip_configuration_file_and_pip_default(tmp_path, pip_env, http_index):
     conf.write_text(f"[global]\nindex-url = file:///global\n[download]\nindex-url = {index}\n")
     assert build.index_urls() == [index]  # `pip download`'s own section beats [global]
     pip_env.setenv("PIP_CONFIG_FILE", os.devnull)
-    from pip._internal.models.index import PyPI
-    assert build.index_urls() == [PyPI.simple_url]  # nothing configured: pip's own default, asked of pip
+    default = subprocess.run([sys.executable, "-c", "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # pip imported in a child only
+    assert build.index_urls() == [default]  # nothing configured: pip's own default, asked of pip
 
 
 def test_index_url_option_and_extra_indexes(tmp_path, pip_env):
@@ -207,3 +210,12 @@ def test_install_refuses_a_bad_index_url_in_one_line(tmp_path, monkeypatch, pip_
     assert exit_.value.code == "error: --index-url must be an http(s):// or file:// address of a simple index, got " \
                                "'/not/a/url'"
     assert nothing_in(tmp_path / "cache")
+
+
+def test_pip_is_asked_in_a_child_process_only(pip_env):
+    """Importing pip in this process switches setuptools' distutils shim off (Python < 3.12), and the next
+    `import setuptools` — torch's cpp_extension when DeepSpeed builds its ops, in a training test of the same worker —
+    fails. Reading pip's settings must leave no pip module here."""
+    had = {m for m in sys.modules if m == "pip" or m.startswith("pip.")}
+    build.index_urls()
+    assert {m for m in sys.modules if m == "pip" or m.startswith("pip.")} == had
