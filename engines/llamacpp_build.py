@@ -173,8 +173,9 @@ def index_urls(index_url: Optional[str] = None) -> List[str]:
     PIP_INDEX_URL, else `index-url` in pip's configuration files ([download] or [install], else [global]), else pip's
     own default; then the extra indexes (PIP_EXTRA_INDEX_URL, else the files' `extra-index-url`). As `pip download
     --index-url` does, an explicit index replaces the main one only; the extra ones are still asked after it."""
-    config = _pip_config()
-    primary = index_url or os.environ.get("PIP_INDEX_URL") or config.get("index-url") or _pip_default_index()
+    settings = _pip_settings()  # one child process for both pip's files and its default
+    config = _pip_config(settings)
+    primary = index_url or os.environ.get("PIP_INDEX_URL") or config.get("index-url") or _pip_default_index(settings)
     extra = os.environ.get("PIP_EXTRA_INDEX_URL") or config.get("extra-index-url") or ""
     return list(dict.fromkeys([primary, *extra.split()]))
 
@@ -211,10 +212,9 @@ def _pip_settings() -> Dict:
         return {"pip": False}
 
 
-def _pip_config() -> Dict[str, str]:
+def _pip_config(settings: Dict) -> Dict[str, str]:
     """index-url and extra-index-url from pip's configuration files; {} when pip is not installed here (a uv venv,
     say: the environment and --index-url still work)."""
-    settings = _pip_settings()
     if "error" in settings:
         raise SpecdrafterError(f"could not read pip's configuration to find its package index ({settings['error']}); "
                                f"{INDEX_HINT}")
@@ -228,9 +228,9 @@ def _pip_config() -> Dict[str, str]:
     return found
 
 
-def _pip_default_index() -> str:
+def _pip_default_index(settings: Dict) -> str:
     """pip's own default index, asked of the installed pip (no index address is written in this project)."""
-    default = _pip_settings().get("default")
+    default = settings.get("default")
     if not default:
         raise SpecdrafterError("no package index is configured (no --index-url, PIP_INDEX_URL or pip configuration) "
                                f"and pip is not installed here to name its default; {INDEX_HINT}")
