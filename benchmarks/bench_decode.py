@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, EvalVerifier
+from specdrafter.core.recipe import EvalVerifier
 from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
@@ -105,33 +105,33 @@ def serving_target(cfg: DictConfig, args):
     drafter.path (`--dspark PATH` with the DSpark recipe); a recipe whose kind no flag names serves its plain target."""
     given = given_drafters(args)
     if given and not cfg.drafter.path:
-        if cfg.drafter.kind.value not in given:
+        if cfg.drafter.kind not in given:
             return load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
                                cfg.target.untested_architecture)
-        cfg.drafter.path = str(given[cfg.drafter.kind.value])
+        cfg.drafter.path = str(given[cfg.drafter.kind])
     return load_serving_target(cfg, drafter_path(cfg))
 
 
 def build_arms(cfg: DictConfig, args, target, eos: List[int]) -> List[Arm]:
     """What is measured: target-only HF `generate`, then the arms of every drafter given (`--<kind> PATH`), or of the
-    recipe's own drafter; each kind names its arms (kinds/: bench_arms)."""
+    recipe's own drafter; each kind names its arms (kinds/: decoding.bench_arms)."""
     setup = Setup(target, eos, args.max_new_tokens, cfg.inference)
     given = given_drafters(args)
     if not given:  # the recipe's own drafter
-        given[cfg.drafter.kind.value] = cfg.drafter.path
+        given[cfg.drafter.kind] = cfg.drafter.path
     arms = [Arm("target", hf_decoder(setup))]
     for name, path in given.items():
-        arms += [build_arm(cfg, setup, KINDS[name], path, spec) for spec in KINDS[name].bench_arms(cfg)]
+        arms += [build_arm(cfg, setup, KINDS[name], path, spec) for spec in KINDS[name].decoding.bench_arms(cfg, name)]
     return arms
 
 
 def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], spec: ArmSpec) -> Arm:
     c = variant(cfg, kind.name, path, spec.drafter, **spec.inference)
     if spec.hf_assisted:  # HF assisted generation with the draft model itself
-        return Arm(spec.name, hf_decoder(setup, kind.assistant_model(c, setup.target, drafter_path(c))), spec.label)
+        return Arm(spec.name, hf_decoder(setup, kind.decoding.assistant_model(c, setup.target, drafter_path(c))), spec.label)
     c.inference.verifier = spec.verifier.rule
     c.inference.max_new_tokens = setup.max_new_tokens
-    decode = our_decoder(setup, c, kind.proposer(c, setup.target, drafter_path(c)))
+    decode = our_decoder(setup, c, kind.decoding.proposer(c, setup.target, drafter_path(c)))
     if spec.verifier.is_chain:
         return Arm(spec.name, decode, spec.label, spec.k, greedy_only=spec.verifier is EvalVerifier.asd)
     return Arm(spec.name, decode, spec.label, tree_size=spec.tree_size)
@@ -140,7 +140,7 @@ def build_arm(cfg: DictConfig, setup: Setup, kind: Kind, path: Optional[str], sp
 def variant(cfg: DictConfig, kind: str, path, drafter: Optional[dict] = None, **inference) -> DictConfig:
     """The recipe with drafter `kind` at `path`, no tree unless given, and the `drafter` and `inference` keys set."""
     c = as_chain(cfg)
-    c.drafter.kind, c.drafter.path = DrafterKind(kind), str(path) if path else None
+    c.drafter.kind, c.drafter.path = kind, str(path) if path else None
     for section, keys in (("drafter", drafter or {}), ("inference", inference)):
         for key, value in keys.items():
             if isinstance(value, dict):  # a structured sub-config (dynamic_tree, block): set its fields one by one
@@ -333,7 +333,7 @@ def plot(rows: List[dict], temperatures: List[float], path: Path) -> None:
 def llamacpp_rows(cfg: DictConfig, args, prompts: List[List[int]]) -> List[dict]:
     """Each given drafter llama.cpp serves, in llama-server beside the target alone: at the loop's k and the plan's."""
     folder = target_of(cfg).folder
-    given = given_drafters(args) or {cfg.drafter.kind.value: cfg.drafter.path}
+    given = given_drafters(args) or {cfg.drafter.kind: cfg.drafter.path}
     rows = []
     for name, path in given.items():
         if KINDS[name].export.llamacpp is None or path is None:
@@ -382,7 +382,7 @@ def main(argv=None):
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
     for k in KINDS.values():
-        if k.needs_folder:  # --draft-model, --eagle3, --medusa, ...: that kind's drafter folder
+        if k.decoding.needs_folder:  # --draft-model, --eagle3, --medusa, ...: that kind's drafter folder
             parser.add_argument(f"--{k.name.replace('_', '-')}", dest=k.name, metavar="PATH")
     parser.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     parser.add_argument("--prompts", type=int, default=2, help="per set")

@@ -16,7 +16,7 @@ and variable lifetimes. Measured per rank, over the steps:
               pages ("plan RSS": ZeRO 1-2's 5e8-element bucket counts only the gradients written into it)
 
 key=value pairs override every run's recipe. The Medusa and draft-model runs use smaller micro-batches than their
-recipes (kinds/: plan_bench_overrides): the plan scales with rows × vocabulary, and the recipes' own batches would
+recipes (kinds/: planning.bench_overrides): the plan scales with rows × vocabulary, and the recipes' own batches would
 need ~10 GB per rank at SmolLM2's 49k vocabulary.
 """
 
@@ -38,9 +38,9 @@ from torch.utils._pytree import tree_flatten
 from specdrafter.kinds import KINDS
 from specdrafter.recipes import RECIPES_DIR
 
-# One run per kind with a SmolLM2 recipe, shrunk to what this CPU trains in seconds (kinds/: plan_bench_overrides)
-RECIPES = {k.name: str(RECIPES_DIR / k.recipe) for k in KINDS.values() if k.recipe}
-OVERRIDES = {k.name: list(k.plan_bench_overrides) for k in KINDS.values() if k.recipe}
+# One run per kind with a SmolLM2 recipe, shrunk to what this CPU trains in seconds (kinds/: planning.bench_overrides)
+RECIPES = {k.name: str(RECIPES_DIR / k.training.recipe) for k in KINDS.values() if k.training and k.training.recipe}
+OVERRIDES = {name: list(KINDS[name].planning.bench_overrides) for name in RECIPES}
 DEFAULT_RUNS = [f"{name}:{zero}:{ranks}" for name in RECIPES for zero, ranks in ((0, 1), (0, 2), (2, 2))]
 GIB = 2**30
 
@@ -88,7 +88,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     from specdrafter.data.assets import load_target
     from specdrafter.jobs.recipe import load_recipe
     from specdrafter.jobs.train import deepspeed_config, lr_factor, lr_schedule, micro_batch_loss, param_groups, setup_distributed
-    from specdrafter.kinds import build_drafter, kind_of
+    from specdrafter.kinds import build_drafter, feature_layers
     from specdrafter.train.batches import Batch
 
     cfg = load_recipe(recipe, overrides)
@@ -108,7 +108,7 @@ def worker(recipe: str, overrides, steps: int) -> dict:
     if tracker:
         for tensor in list(target.parameters()) + list(target.buffers()):
             tracker.add(tensor)
-    layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
+    layers = feature_layers(cfg, target.config)
     drafter = build_drafter(cfg, target, None, tokenizer)
     use_bf16 = t.precision.value == "bf16" or (t.precision.value == "auto" and cuda)
     optimizer = torch.optim.AdamW(param_groups(drafter, t.lr), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))

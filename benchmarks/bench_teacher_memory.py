@@ -25,7 +25,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdrafter.jobs.recipe import load_recipe
-    from specdrafter.kinds import build_drafter, kind_of
+    from specdrafter.kinds import build_drafter, feature_layers
     from specdrafter.recipes import RECIPES_DIR
     from specdrafter.train.batches import Batch
     from specdrafter.train.drafters import run_target
@@ -39,7 +39,7 @@ def one_step(mode: str, tokens: int, hidden: int) -> dict:
     cfg = load_recipe(RECIPES_DIR / "llama8b.yaml", ["drafter.eagle.aux_layer_ids=[1,2,3]", "target.model=unused"])
     tokens_seen = type("Counts", (), {"target_tokens": staticmethod(lambda: [torch.randint(0, V, (200_000,))])})
     drafter = build_drafter(cfg, target, tokens_seen)
-    layers = kind_of(cfg).feature_layers(cfg, config.num_hidden_layers)
+    layers = feature_layers(cfg, config)
     input_ids = torch.randint(0, V, (1, tokens))
     loss_mask = torch.ones(1, tokens, dtype=torch.long)
     loss_mask[:, :16] = 0

@@ -32,7 +32,7 @@ import torch
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.data.assets import load_target
 from specdrafter.jobs.recipe import load_recipe
-from specdrafter.kinds import build_drafter, kind_of
+from specdrafter.kinds import build_drafter, feature_layers, kind_of
 from specdrafter.train.batches import TrainingData
 from specdrafter.train.drafters import run_target
 from specdrafter.train.objectives import Objective
@@ -61,7 +61,7 @@ def main(argv=None):
         target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value,
                                         untested_architecture=cfg.target.untested_architecture)
         target.requires_grad_(False)
-        layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
+        layers = feature_layers(cfg, target.config)
         offline = TrainingData(t.data_dir, tokenizer, cfg.target.model, t.max_length, t.heldout, t.seed, layers)
         drafter = build_drafter(cfg, target, offline, tokenizer)
     except SpecdrafterError as e:
@@ -104,7 +104,7 @@ def main(argv=None):
             times[name].append(time.perf_counter() - start)
     tokens = sum(b.num_tokens for b in cached)  # the same real tokens in every arm
     median = {name: statistics.median(v) for name, v in times.items()}
-    report = {"drafter": cfg.drafter.kind.value, "micro_batch_size": mb, "precision": t.precision.value,
+    report = {"drafter": cfg.drafter.kind, "micro_batch_size": mb, "precision": t.precision.value,
               "group_by_length": t.group_by_length, "tokens_per_repeat": tokens,
               "tokens_per_s": {name: round(tokens / s, 1) for name, s in median.items()},
               "online_step_over_target_forward": round(median["online_step"] / median["target_forward"], 3),
@@ -123,7 +123,7 @@ def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dic
     """Training tokens/s of the real DeepSpeed launch at each world size, one launch after another."""
     cfg = load_recipe(recipe, overrides)  # checks the recipe and the overrides before any launch
     kind = kind_of(cfg)
-    if not kind.trainable:
+    if not kind.training:
         raise SpecdrafterError(f"recipe key 'drafter.kind': {kind.name} is not trainable")
     cores = os.cpu_count() or 1
     runs = {}
@@ -148,7 +148,7 @@ def ranks_benchmark(recipe: str, overrides, ranks, steps: int, out: Path) -> dic
         runs[n] = {"tokens_per_s": round(last["tokens_per_s"], 1), "wall_s": round(wall, 1),
                    "threads_per_rank": int(env["OMP_NUM_THREADS"])}
     base = runs[ranks[0]]["tokens_per_s"]
-    report = {"drafter": cfg.drafter.kind.value, "features": cfg.train.features.value, "steps": steps,
+    report = {"drafter": cfg.drafter.kind, "features": cfg.train.features.value, "steps": steps,
               "micro_batch_size_per_rank": cfg.train.micro_batch_size, "zero_stage": cfg.train.zero_stage,
               "ranks": {str(n): {**r, f"speedup_over_{ranks[0]}_rank": round(r["tokens_per_s"] / base, 3)}
                         for n, r in runs.items()}}

@@ -100,7 +100,7 @@ def build_and_export(work: Path) -> dict:
     from specdrafter.export.formats import export
     from specdrafter.jobs.recipe import load_recipe
     from specdrafter.kinds import KINDS, build_drafter
-    from specdrafter.kinds.block import BlockKind
+    from specdrafter.kinds.block import BlockExport
     from specdrafter.recipes import RECIPES_DIR
 
     shutil.rmtree(work, ignore_errors=True)
@@ -118,11 +118,12 @@ def build_and_export(work: Path) -> dict:
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states  # hs[k] = the input to layer k (our aux-id reading)
     refs, exports, families = {}, {}, {}
-    # every kind's conformance variants (kinds/: conformance_variants), e.g. eagle3-pruned / eagle3-full
-    drafters = {name: (k, overrides) for k in KINDS.values() for name, overrides in k.conformance_variants().items()}
+    # every kind's conformance variants (kinds/: conformance.variants), e.g. eagle3-pruned / eagle3-full
+    drafters = {name: (k, overrides) for k in KINDS.values() if k.conformance
+                for name, overrides in k.conformance.variants.items()}
     for name, (kind, overrides) in drafters.items():
         run = work / "runs" / name
-        cfg = load_recipe(RECIPES_DIR / kind.recipe,
+        cfg = load_recipe(RECIPES_DIR / kind.training.recipe,
                           [f"output_dir={run}", f"target.model={target_dir}", f"train.data_dir={run / 'data'}",
                            f"drafter.kind={kind.name}", "drafter.eagle.aux_layer_ids=[1,2,3]", "inference.k=3",
                            "train.wandb.mode=disabled", *overrides])
@@ -133,16 +134,16 @@ def build_and_export(work: Path) -> dict:
             for q in module.parameters():
                 if q.requires_grad:
                     q.add_(0.05 * torch.randn_like(q))
-            kind.perturb(module, name, target.config.vocab_size)
+            kind.conformance.perturb(module, name, target.config.vocab_size)
         folder = run / "checkpoints" / "step-000004"
         drafter.save(module, folder / "drafter", tokenizer)
         (folder / "recipe.yaml").write_text(OmegaConf.to_yaml(cfg))
         (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "tokens": 1000, "drafter": kind.name}))
         with torch.no_grad():
-            refs[name] = kind.reference_step(module, target, hs, ids)
-        for fmt in kind.formats:
+            refs[name] = kind.conformance.reference_step(module, target, hs, ids)
+        for fmt in kind.export.formats:
             families[f"{fmt}/{name}"] = {"family": kind.export.family.value,  # JSON for the venv
-                                           "method": kind.engines.method if isinstance(kind, BlockKind) else None}
+                                           "method": kind.export.engines.method if isinstance(kind.export, BlockExport) else None}
             try:
                 exports[f"{fmt}/{name}"] = str(export(folder, fmt, work / "exports" / name / fmt))
             except SpecdrafterError as e:

@@ -123,7 +123,7 @@ def exact_law(model, n: int) -> dict:
 def drafter_gguf(kind: str, target_dir: Path, tok, root: Path) -> Path:
     """A random drafter of `kind` for the target, exported --format gguf (a SpecdrafterError where the export refuses
     it beside this target)."""
-    recipe = KINDS[kind].recipe
+    recipe = KINDS[kind].training.recipe
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     layers = target.config.num_hidden_layers
     aux = [1, layers // 2, layers - 1]

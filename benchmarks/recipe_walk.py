@@ -31,7 +31,7 @@ from specdrafter.data.assets import ensure_smollm2
 from specdrafter.jobs.cli import cli
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, build_drafter
-from specdrafter.kinds.block import BlockKind
+from specdrafter.kinds.block import BlockExport
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def saved_pair(kind: str, root: Path) -> list:
                                           num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2))
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
-    if not isinstance(KINDS[kind], BlockKind):  # an EAGLE-3 head
+    if not isinstance(KINDS[kind].export, BlockExport):  # an EAGLE-3 head
         from specdrafter.models.eagle import Eagle3Head, eagle3_config, save_eagle3
         folder = save_eagle3(Eagle3Head(eagle3_config(target.config, [2, 4, 6], len(tok))), root / "drafter")
         drafter = ["drafter.eagle.aux_layer_ids=[2,4,6]"]

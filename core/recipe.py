@@ -32,8 +32,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from specdrafter.core.io import SpecdrafterError, atomic_write_text, first_line
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
-PROMPT_SETS = ("mtbench", "humaneval", "gsm8k", "sharegpt")
-EVAL_SETS = PROMPT_SETS[:-1]  # the sets the data job keeps out of training (data.exclude)
+EVAL_SETS = ("mtbench", "humaneval", "gsm8k")  # the sets the data job keeps out of training (data.exclude)
+PROMPT_SETS = EVAL_SETS + ("sharegpt", "sharegpt-code")  # sharegpt-code: ShareGPT's programming requests
 
 log = logging.getLogger("specdrafter")
 
@@ -160,7 +160,9 @@ class DataLlamaCppConfig:
     # With data.engine=llama.cpp: the target converted to GGUF once (into the cache) and served by llama-server with
     # data.concurrency slots for the job's length. Its threads spin: the job should have the machine to itself.
     threads: int = checked(0, NON_NEGATIVE)  # 0 = every core this process may use
-    outtype: Optional[GGUFType] = None  # None = target.dtype's (f32, bf16, f16); a quantised GGUF is another model
+    # None = a GGUF target's own file (the one it was converted from), else target.dtype's type (f32, bf16, f16); a
+    # quantised GGUF of another target is another model
+    outtype: Optional[GGUFType] = None
 
 
 SERVER_URL = Rule(lambda v: server_url_problem(v) is None, why=lambda v: f"{v!r} {server_url_problem(v)}")
@@ -203,16 +205,6 @@ class DataConfig:
     # no worker holds; the last to finish writes stats.json
     workers: int = checked(1, AT_LEAST_ONE)
     worker: int = checked(0, NON_NEGATIVE)
-
-
-class DrafterKind(Enum):
-    self_draft = "self_draft"  # the target's first `num_layers` layers + norm + lm_head (training-free baseline)
-    draft_model = "draft_model"  # a small causal LM sharing the target's tokenizer
-    medusa = "medusa"  # Medusa heads on the target's last hidden state
-    eagle3 = "eagle3"  # an EAGLE-3 head on three target layers
-    eagle1 = "eagle1"  # an EAGLE-1 head on the target's last-layer feature
-    dflash = "dflash"  # a block drafter: one pass drafts block_size − 1 tokens from several target layers
-    dspark = "dspark"  # DFlash's backbone drafting block_size tokens, with a Markov head and a confidence head
 
 
 class VerifierKind(Enum):
@@ -296,7 +288,10 @@ class BlockConfig:
 
 @dataclass
 class DrafterConfig:
-    kind: DrafterKind = DrafterKind.self_draft
+    # the drafter kind: a name of kinds/__init__.py:KINDS, the one place kinds are registered (kinds.check_recipe
+    # refuses any other), e.g. self_draft (the target's first `num_layers` layers, training-free), draft_model, medusa,
+    # eagle3, eagle1, dflash, dspark
+    kind: str = "self_draft"
     # Inference: the trained drafter's folder (a checkpoint's `drafter/` or an export) or a draft model's hub id.
     # Training a draft model: optional initial weights (else the target's first `num_layers` layers).
     path: Optional[str] = checked(None, existing_folder("drafter folder"))

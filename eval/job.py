@@ -105,9 +105,9 @@ log = logging.getLogger("specdrafter")
 def find_run_checkpoints(cfg: DictConfig) -> List[Checkpoint]:
     """eval.checkpoint as a list of checkpoints, oldest first (core/checkpoints.py: a training checkpoint, a run
     directory, or a bare drafter folder); a self-draft needs none."""
-    kind, path = cfg.drafter.kind.value, cfg.eval.checkpoint or cfg.drafter.path
+    kind, path = cfg.drafter.kind, cfg.eval.checkpoint or cfg.drafter.path
     if path is None:
-        if not kind_of(cfg).needs_folder:
+        if not kind_of(cfg).decoding.needs_folder:
             return [Checkpoint(kind, None, None)]
         raise SpecdrafterError("recipe key 'eval.checkpoint' is required: a checkpoint, a drafter folder or a run directory "
                                "(checkpoint=... on the command line)")
@@ -197,7 +197,7 @@ class Results:
 
     def __init__(self, folder: Path, cfg: DictConfig):
         self.folder, self.path = folder, folder / "results.json"
-        fresh = {"schema": 1, "target": cfg.target.model, "drafter": cfg.drafter.kind.value, "settings": settings(cfg),
+        fresh = {"schema": 1, "target": cfg.target.model, "drafter": cfg.drafter.kind, "settings": settings(cfg),
                  "machine": {}, "baselines": {}, "cells": []}
         self.data = self._read() if self.path.is_file() else None
         if self.data is not None:
@@ -433,10 +433,10 @@ def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
     checkpoint brings its fine-tuned backbone, which is what it serves."""
     c = cfg.copy()
     path = c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
-    kind = kind_of(c)
-    serving = kind.serving_target(ckpt.drafter, target)
-    tree = kind.proposer(c, serving, path) if {"tree", "typical"} & set(verifiers) else None
-    return serving, kind.proposer(as_chain(c), serving, path), tree
+    decoding = kind_of(c).decoding
+    serving = decoding.serving_target(ckpt.drafter, target)
+    tree = decoding.proposer(c, serving, path) if {"tree", "typical"} & set(verifiers) else None
+    return serving, decoding.proposer(as_chain(c), serving, path), tree
 
 
 def cell_decoding(cfg: DictConfig, cell: Cell) -> DictConfig:

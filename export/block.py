@@ -40,7 +40,7 @@ from specdrafter.models.block_folders import load_block_drafter
 
 if TYPE_CHECKING:  # annotations only
     from specdrafter.export.source import Source, Target
-    from specdrafter.kinds.block import BlockKind
+    from specdrafter.kinds.block import BlockExport
 
 FORMATS = ("vllm", "sglang", "speculators")
 MARKOV_HEAD_TYPE = "vanilla"  # ours: logits += W2(W1[prev]), no gate, no recurrence
@@ -52,33 +52,33 @@ NOT_LAYER = ("variant", "aux_layer_ids", "mask_token_id", "markov_rank", "enable
 # ------------------------------------------------------------------------------------------------ writer
 def write_block(src: Source, folder: Path, target: Target, fmt: str) -> None:
     """config.json + model.safetensors of a DFlash or DSpark drafter in `fmt`'s layout."""
-    kind = src.kind
-    drafter = load_block_drafter(src.drafter, kind.variant)  # refuses a folder that does not load as this kind
+    export = src.kind.export  # kinds/block.py:BlockExport
+    drafter = load_block_drafter(src.drafter, export.variant)  # refuses a folder that does not load as this kind
     c = drafter.config
-    problem = format_problem(kind, drafter, fmt)
+    problem = format_problem(export, drafter, fmt)
     if problem:
         raise SpecdrafterError(f"--format {fmt} cannot express {str(src.drafter)!r}: {problem}")
     raw = json.loads((src.drafter / "config.json").read_text())
     layer = layer_config(raw)
-    config = (speculators_config(kind, c, layer, target, src) if fmt == "speculators" else
-              {**layer, "architectures": [kind.variant.architecture], **engine_keys(kind, c)})
+    config = (speculators_config(export, c, layer, target, src) if fmt == "speculators" else
+              {**layer, "architectures": [export.variant.architecture], **engine_keys(export, c)})
     save_weights(engine_weights(drafter, target, src), folder / "model.safetensors")
     atomic_write_json(folder / "config.json", config)
 
 
-def format_problem(kind: BlockKind, drafter: BlockDrafter, fmt: str) -> Optional[str]:
+def format_problem(export: BlockExport, drafter: BlockDrafter, fmt: str) -> Optional[str]:
     """Why `fmt`'s engine cannot serve this drafter as trained (None: it can)."""
     c, V, Vd = drafter.config, drafter.config.vocab_size, len(drafter.d2t)
     if fmt != "sglang":
         return None
     if Vd < V:
-        return (f"its draft vocabulary is pruned ({Vd} of {V} tokens), and SGLang's {kind.engines.sglang_algorithm} "
+        return (f"its draft vocabulary is pruned ({Vd} of {V} tokens), and SGLang's {export.engines.sglang_algorithm} "
                 "drafts over the target's full lm_head (it reads no lm_head or d2t of the drafter); export --format "
                 "vllm or speculators, or retrain with drafter.block.draft_vocab_size=0")
-    algorithm = kind.engines.sglang_algorithm
-    if kind.variant.heads and c.markov_rank <= 0:
+    algorithm = export.engines.sglang_algorithm
+    if export.variant.heads and c.markov_rank <= 0:
         return f"SGLang's {algorithm} refuses markov_rank 0 (its draft needs the Markov head); export --format vllm"
-    if kind.variant.heads and not c.enable_confidence_head:
+    if export.variant.heads and not c.enable_confidence_head:
         return (f"SGLang's {algorithm} builds the confidence head whatever enable_confidence_head says and refuses a "
                 "checkpoint without its weights; export --format vllm")
     return None
@@ -91,43 +91,43 @@ def layer_config(raw: dict) -> dict:
     return {**layer, "model_type": "qwen3", "tie_word_embeddings": False}
 
 
-def engine_keys(kind: BlockKind, c) -> dict:
+def engine_keys(export: BlockExport, c) -> dict:
     """What vLLM's and SGLang's loaders read beside the layer config. `target_layer_ids` are DFlash's layer outputs:
     our layer inputs − 1 (both engines add the 1 back themselves)."""
     keys = {"block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_hidden_size": c.target_hidden_size or c.hidden_size,
             "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [k - 1 for k in c.aux_layer_ids]}}
-    return {**keys, **head_keys(kind, c)}
+    return {**keys, **head_keys(export, c)}
 
 
-def head_keys(kind: BlockKind, c) -> dict:
+def head_keys(export: BlockExport, c) -> dict:
     """DSpark's: its heads, and that the anchor slot drafts (every engine reads these at top level). vLLM defaults
     confidence_head_with_markov to false, which would give the head the wrong input width: written out."""
-    if not kind.variant.heads:
+    if not export.variant.heads:
         return {}
     return {"markov_rank": c.markov_rank, "markov_head_type": MARKOV_HEAD_TYPE,
             "enable_confidence_head": c.enable_confidence_head,
             "confidence_head_with_markov": c.enable_confidence_head and c.markov_rank > 0,
-            "sample_from_anchor": kind.variant.label_shift}
+            "sample_from_anchor": export.variant.label_shift}
 
 
-def speculators_config(kind: BlockKind, c, layer: dict, target: Target, src: Source) -> dict:
+def speculators_config(export: BlockExport, c, layer: dict, target: Target, src: Source) -> dict:
     if target.hub_id is None and src.recipe is None:
         raise SpecdrafterError("--format speculators names the verifier: export from a checkpoint folder or run "
                                "(whose recipe.yaml names the target), not a bare drafter folder")
-    drafts = kind.drafts_per_block(c.block_size)
-    return {"architectures": [kind.variant.speculators_architecture], "speculators_model_type": kind.engines.method,
+    drafts = export.drafts_per_block(c.block_size)
+    return {"architectures": [export.variant.speculators_architecture], "speculators_model_type": export.engines.method,
             "speculators_config": {
-                "algorithm": kind.engines.method, "default_proposal_method": "greedy",
+                "algorithm": export.engines.method, "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafts, "verifier_accept_k": 1,
                                       "accept_tolerance": 0.0}],
                 "verifier": {"name_or_path": target.hub_id or target.name, "architectures": target.architectures}},
             "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
             "target_hidden_size": c.target_hidden_size or c.hidden_size, "block_size": c.block_size,
             "aux_hidden_state_layer_ids": list(c.aux_layer_ids),  # layer inputs, as ours
-            "mask_token_id": c.mask_token_id, "sample_from_anchor": kind.variant.label_shift,
-            **{k: v for k, v in head_keys(kind, c).items() if k != "sample_from_anchor"}}
+            "mask_token_id": c.mask_token_id, "sample_from_anchor": export.variant.label_shift,
+            **{k: v for k, v in head_keys(export, c).items() if k != "sample_from_anchor"}}
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -178,9 +178,9 @@ def target_lm_head(folder: Path) -> Optional[torch.Tensor]:
 
 
 # -------------------------------------------------------------------------------------------- model card
-def engine_versions(kind: BlockKind, fmt: str) -> str:
+def engine_versions(export: BlockExport, fmt: str) -> str:
     """The engine releases that load this folder, as the card's **Engine versions** line says them."""
-    e = kind.engines
+    e = export.engines
     vllm = (f"vLLM {e.vllm_since} or later (`qwen3_{e.method}.py`, method `{e.method}`; checked: 0.32.0 and 0.33.0, "
             "the engines' own loaders on CPU)")
     if fmt == "sglang":
@@ -194,16 +194,16 @@ def engine_versions(kind: BlockKind, fmt: str) -> str:
 def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
     """The card's serving commands: num_speculative_tokens = the block's drafts (DFlash B − 1, DSpark B); SGLang's
     --speculative-num-draft-tokens counts the verified window, drafts + 1."""
-    kind = src.kind
+    export = src.kind.export  # kinds/block.py:BlockExport
     raw = json.loads((src.drafter / "config.json").read_text())
-    drafts = kind.drafts_per_block(raw["block_size"])
+    drafts = export.drafts_per_block(raw["block_size"])
     verifier = target.hub_id or ("<target model>" if src.recipe is None else f"<path to {target.name}>")
-    spec = json.dumps({"method": kind.engines.method, "model": model, "num_speculative_tokens": drafts})
+    spec = json.dumps({"method": export.engines.method, "model": model, "num_speculative_tokens": drafts})
     vllm = ["```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```"]
     sglang = ["```bash", f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm "
-              f"{kind.engines.sglang_algorithm} --speculative-draft-model-path {model} --speculative-num-draft-tokens "
+              f"{export.engines.sglang_algorithm} --speculative-draft-model-path {model} --speculative-num-draft-tokens "
               f"{drafts + 1}", "```"]
-    lines = [f"**Engine versions:** {engine_versions(kind, fmt)}.", "",
+    lines = [f"**Engine versions:** {engine_versions(export, fmt)}.", "",
              f"Each block drafts {drafts} tokens (block size {raw['block_size']}); a smaller "
              "`num_speculative_tokens` verifies fewer of them.", ""]
     if fmt == "sglang":

@@ -71,8 +71,8 @@ from specdrafter.kinds.base import Family
 from specdrafter.models.eagle import check_aux_order, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
-_ALL_FORMATS = dict.fromkeys(f for k in KINDS.values() for f in k.formats)  # in the order the kinds name them
-FORMATS: Dict[str, Tuple[Kind, ...]] = {f: tuple(k for k in KINDS.values() if f in k.formats)
+_ALL_FORMATS = dict.fromkeys(f for k in KINDS.values() for f in k.export.formats)  # in the order the kinds name them
+FORMATS: Dict[str, Tuple[Kind, ...]] = {f: tuple(k for k in KINDS.values() if f in k.export.formats)
                                         for f in _ALL_FORMATS}  # --format → the drafter kinds it exports
 ENGINE_K = 4  # speculative tokens written for engines when the recipe's inference.k is auto (they take a number)
 LIBRARIES = {"vllm": "vllm", "sglang": "sglang", "speculators": "vllm", "medusa-vllm": "vllm", "medusa": "transformers",
@@ -212,16 +212,17 @@ def eagle_ids(src: Source) -> Optional[List[int]]:
 
 
 def check_kind(src: Source, fmt: str) -> None:
-    if fmt == "gguf" and (not src.kind.export or not src.kind.export.llamacpp):
+    export = src.kind.export
+    if fmt == "gguf" and not export.llamacpp:
         raise SpecdrafterError(f"--format gguf: llama.cpp serves no drafter like {src.kind.description} (its "
                                "--spec-type has draft, draft-eagle3, draft-dflash and draft-dspark)")
-    if not src.kind.formats:
+    if not export.formats:
         raise SpecdrafterError(f"{str(src.drafter)!r} holds {src.kind.description}, which has no engine format here: "
-                               f"{src.kind.no_export}")
+                               f"{export.why}")
     if src.kind not in FORMATS[fmt]:
         raise SpecdrafterError(f"--format {fmt} exports {' or '.join(k.description for k in FORMATS[fmt])}, but "
                                f"{str(src.drafter)!r} holds {src.kind.description} (drafter kind {src.kind.name}); "
-                               f"use --format {' or '.join(src.kind.formats)}")
+                               f"use --format {' or '.join(export.formats)}")
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-3

@@ -14,13 +14,13 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_text
-from specdrafter.core.recipe import DrafterKind, read_yaml, save_recipe
+from specdrafter.core.recipe import read_yaml, save_recipe
 from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
 from specdrafter.inference.decode import ContextOverflow, GenerationResult, acceptance_rate, alpha_per_token, positions_tried
 from specdrafter.inference.decoder import Decoder, build_decoder
-from specdrafter.jobs.recipe import checked_recipe
+from specdrafter.jobs.recipe import checked_recipe, target_args
 from specdrafter.kinds import KINDS, Kind, drafter_path, kind_of, newest_trained
 from specdrafter.recipes import RECIPES_DIR
 
@@ -30,10 +30,9 @@ log = logging.getLogger("specdrafter")
 def load_serving_target(cfg: DictConfig, path: Optional[str], kind: Optional[Kind] = None):
     """(model, tokenizer) that decoding verifies with: the recipe's target, or what the drafter folder at `path`
     (kinds.drafter_path, checked before the target loads) brings to serve in its place (Medusa-2's fine-tuned
-    backbone: kinds/: serving_target). `kind`: the recipe's, when the caller has it."""
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
-                                    cfg.target.untested_architecture, cfg.target.chat_template_kwargs)
-    return (kind or kind_of(cfg)).serving_target(Path(path) if path else None, target), tokenizer
+    backbone: kinds/: decoding.serving_target). `kind`: the recipe's, when the caller has it."""
+    target, tokenizer = load_target(**target_args(cfg))
+    return (kind or kind_of(cfg)).decoding.serving_target(Path(path) if path else None, target), tokenizer
 
 
 @dataclass
@@ -55,7 +54,7 @@ def resolve_drafter(cfg: DictConfig) -> ChosenDrafter:
     except SpecdrafterError as why:
         return ChosenDrafter(cfg, f"drafter: {_described(cfg)}: {why}{_trainer_of(dr.run)}")
     chosen = cfg.copy()
-    chosen.drafter.kind, chosen.drafter.path = DrafterKind(newest.state["drafter"]), str(newest.drafter)
+    chosen.drafter.kind, chosen.drafter.path = newest.state["drafter"], str(newest.drafter)
     try:
         chosen = checked_recipe(chosen)  # a new recipe: e.g. a static tree, which an EAGLE-3 head does not draft
     except SpecdrafterError as why:
@@ -71,10 +70,11 @@ def _described(cfg: DictConfig) -> str:
 
 
 def _trainer_of(run: str) -> str:
-    """How to train the drafter a recipe of recipes/ writes to `run` (kinds/: launcher and recipe), or ""."""
-    for k in [k for k in KINDS.values() if k.recipe and (RECIPES_DIR / k.recipe).is_file()]:
-        if Path(str(read_yaml(RECIPES_DIR / k.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
-            return f"; python launch/{k.launcher} recipes/{k.recipe} trains one there"
+    """How to train the drafter a recipe of recipes/ writes to `run` (kinds/: its training's launcher and recipe), or ""."""
+    for t in [k.training for k in KINDS.values() if k.training and k.training.recipe]:
+        if (RECIPES_DIR / t.recipe).is_file() and \
+                Path(str(read_yaml(RECIPES_DIR / t.recipe).get("output_dir"))).resolve() == Path(run).expanduser().resolve():
+            return f"; python launch/{t.launcher} recipes/{t.recipe} trains one there"
     return ""
 
 
@@ -92,8 +92,8 @@ class DecodeReport:
 
 
 def build_proposer(cfg: DictConfig, target):
-    """The recipe's proposer (kinds/: proposer) around its drafter.path, beside `target` on its device."""
-    return kind_of(cfg).proposer(cfg, target, drafter_path(cfg))
+    """The recipe's proposer (kinds/: decoding.proposer) around its drafter.path, beside `target` on its device."""
+    return kind_of(cfg).decoding.proposer(cfg, target, drafter_path(cfg))
 
 
 def load_decoder(cfg: DictConfig) -> "LoadedDecoder":
@@ -104,7 +104,7 @@ def load_decoder(cfg: DictConfig) -> "LoadedDecoder":
     cfg = chosen.cfg
     path, kind = drafter_path(cfg), kind_of(cfg)  # a missing, damaged or wrong-kind folder fails before the target loads
     target, tokenizer = load_serving_target(cfg, path, kind)
-    decoder = build_decoder(cfg.inference, target, kind.proposer(cfg, target, path), eos_token_ids(target, tokenizer))
+    decoder = build_decoder(cfg.inference, target, kind.decoding.proposer(cfg, target, path), eos_token_ids(target, tokenizer))
     return LoadedDecoder(decoder, tokenizer, torch.Generator().manual_seed(cfg.inference.seed))
 
 
@@ -226,8 +226,9 @@ def decode_check(cfg: DictConfig, folder: Path, target, tokenizer) -> Dict[str, 
     c = as_chain(cfg)
     c.drafter.path = str(folder)
     c.inference.temperature, c.inference.verifier, c.inference.max_new_tokens = 0.0, "exact", cfg.eval.max_new_tokens
-    serving = kind_of(c).serving_target(folder, target)
-    proposer = kind_of(c).proposer(c, serving, str(folder))  # the drafter in the target's dtype, beside it on its device
+    decoding = kind_of(c).decoding
+    serving = decoding.serving_target(folder, target)
+    proposer = decoding.proposer(c, serving, str(folder))  # the drafter in the target's dtype, beside it on its device
     decoder = build_decoder(c.inference, serving, proposer, eos_token_ids(target, tokenizer))
     tokens, cycles = 0, []
     for record in load_prompt_set(cfg.eval.sets[0])[: min(cfg.eval.num_prompts, MAX_PROMPTS)]:

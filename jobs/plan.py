@@ -47,7 +47,7 @@ from specdrafter.data.shards import hidden_states_bytes
 from specdrafter.jobs.cli import cli
 from specdrafter.jobs.plan_checks import batch_checks, data_stats, memory_check, recipe_checks
 from specdrafter.jobs.plan_report import format_plan
-from specdrafter.kinds import KINDS, kind_of
+from specdrafter.kinds import KINDS, kind_of, layers_read
 from specdrafter.models.targets import language_model_only, serving_cache_bytes
 from specdrafter.recipes import RECIPES_DIR
 from specdrafter.train.drafters import TEACHER_CHUNK
@@ -101,7 +101,8 @@ def _meta_drafter(cfg: DictConfig, target):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft's calls of deprecated transformers 5 names
-        return kind_of(cfg).planner_module(cfg, target, target_config)
+        kind = kind_of(cfg)
+        return kind.planning.module(cfg, target, target_config, kind.training)
 
 
 # --------------------------------------------------------------------------------------------------- plan
@@ -112,9 +113,9 @@ def make_plan(cfg: DictConfig, recipe: str = "", setup: Optional[Setup] = None,
     tconf = target_config(cfg.target.model)
     T = Shapes.of(tconf)
     checks = recipe_checks(cfg, T, s)
-    kind = cfg.drafter.kind.value
+    kind = cfg.drafter.kind
     counts, terms, notes = None, {}, []
-    if KINDS[kind].trainable and not [line for ok, line in checks if not ok]:
+    if KINDS[kind].training and not [line for ok, line in checks if not ok]:
         counts = meta_counts(cfg, tconf)
         terms, notes = memory_terms(cfg, tconf, counts, s)
     source = "this GPU" if budget_gb else ("train.gpu_memory_gb" if cfg.train.gpu_memory_gb else f"default {DEFAULT_GPU_GB:g}")
@@ -170,7 +171,7 @@ def data_facts(cfg: DictConfig, T: Shapes, s: Setup) -> Dict[str, object]:
     layers = list(d.hidden_states.layer_ids)
     cached = bool(layers)
     if not layers:
-        layers = kind_of(cfg).feature_layers(cfg, T.layers)
+        layers = layers_read(cfg, T.layers)
     dtype = getattr(torch, d.hidden_states.dtype.value)
     facts.update(cache_layers=layers, cached=cached, cache_per_million=hidden_states_bytes(10**6, len(layers), T.hidden, dtype))
     facts["cache_total"] = hidden_states_bytes(int(facts["tokens"]), len(layers), T.hidden, dtype)

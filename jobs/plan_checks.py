@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from specdrafter.kinds import KINDS, kind_of
+from specdrafter.kinds import KINDS, kind_of, layers_read
 from specdrafter.train.memory import GIB, Plan, Setup, Shapes
 from specdrafter.train.model_configs import target_config
 
@@ -20,14 +20,14 @@ Check = Tuple[bool, str]
 def recipe_checks(cfg: DictConfig, T: Shapes, s: Setup) -> List[Check]:
     """One line each: (ok, line). Run before anything loads; the launchers refuse the first failure."""
     kind, out = kind_of(cfg), []
-    if kind.trainable:
+    if kind.training:
         t = cfg.train
         fits = not T.positions or t.max_length <= T.positions
         out.append((fits, f"train.max_length {t.max_length} within the target's {T.positions or 'unbounded'} positions"
                     if fits else f"recipe key 'train.max_length' ({t.max_length}) exceeds the target's "
                     f"max_position_embeddings ({T.positions})"))
-    out += kind.planner_checks(cfg, T, target_config)
-    if kind.trainable:
+    out += kind.planning.checks(cfg, T, target_config) if kind.planning else []
+    if kind.training:
         out += _offline_cache_check(cfg, T)
     out.append((s.world >= 1 and s.gpus_per_node >= 1, f"world size {s.world} ({s.nodes} node(s) × {s.gpus_per_node})"))
     return out
@@ -39,7 +39,7 @@ def _offline_cache_check(cfg: DictConfig, T: Shapes) -> List[Check]:
     stats = data_stats(cfg)
     if stats is None:
         return []
-    cached, need = stats.get("hidden_state_layers") or [], kind_of(cfg).feature_layers(cfg, T.layers)
+    cached, need = stats.get("hidden_state_layers") or [], layers_read(cfg, T.layers)
     missing = [k for k in need if k not in cached]
     return [(not missing, f"recipe key 'train.features': offline needs layers {need} but {cfg.train.data_dir} caches "
                           f"{cached}; set train.features=online or add them to the data job's data.hidden_states.layer_ids"
@@ -90,7 +90,8 @@ def memory_check(plan: Plan) -> Check:
     fix = "change " + FIXES[name]
     if name == "target weights" and plan.counts and plan.terms[name] <= 2 * plan.counts.target:  # bf16 already
         fix = "every rank holds the whole frozen target, already at 2 bytes a weight: use GPUs with more memory"
-    if name in KINDS[plan.kind].memory_fixes:
-        fix += ", " + KINDS[plan.kind].memory_fixes[name]
+    fixes = KINDS[plan.kind].planning.memory_fixes
+    if name in fixes:
+        fix += ", " + fixes[name]
     return False, (f"does not fit: {total:.1f} GiB per GPU > {plan.budget_gb:g} GiB ({plan.budget_source}); biggest term "
                    f"{name} {size / GIB:.1f} GiB: {fix}")

@@ -27,7 +27,7 @@ def format_plan(p: Plan, cfg: DictConfig) -> str:
     bf16, amp = precision(cfg, s.device)
     lines = [f"plan: {p.recipe} — {p.kind} on {cfg.target.model} ({cfg.target.dtype.value}), ZeRO {t.zero_stage}, "
              f"precision {t.precision.value} ({'bf16' if bf16 else 'fp32'} weights{', bf16 autocast' if amp else ''}), "
-             f"{s.nodes} node(s) × {s.gpus_per_node} GPU(s) = world {s.world}" if KINDS[p.kind].trainable else
+             f"{s.nodes} node(s) × {s.gpus_per_node} GPU(s) = world {s.world}" if KINDS[p.kind].training else
              f"plan: {p.recipe} — target {cfg.target.model}; drafter.kind={p.kind} trains nothing: data and disk only"]
     if p.counts:
         c = p.counts
@@ -53,7 +53,7 @@ def format_plan(p: Plan, cfg: DictConfig) -> str:
 def _label(name: str, cfg: DictConfig) -> str:
     t = cfg.train
     if name == "activations":
-        return f"activations ({t.micro_batch_size} × {t.max_length} tokens{kind_of(cfg).activation_label(cfg)})"
+        return f"activations ({t.micro_batch_size} × {t.max_length} tokens{kind_of(cfg).planning.activation_label(cfg)})"
     return name
 
 

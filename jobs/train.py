@@ -58,7 +58,7 @@ from specdrafter.data.assets import load_target  # noqa: E402
 from specdrafter.jobs.cli import cli  # noqa: E402
 from specdrafter.jobs.decode import decode_check  # noqa: E402
 from specdrafter.jobs.plan import check_training_recipe, preflight  # noqa: E402
-from specdrafter.kinds import KINDS, build_drafter, kind_of, trainable_by  # noqa: E402
+from specdrafter.kinds import build_drafter, feature_layers, kind_of, trainable_by  # noqa: E402
 from specdrafter.train.batches import TrainingData  # noqa: E402
 from specdrafter.train.drafters import Prediction, run_target  # noqa: E402
 from specdrafter.train.objectives import Objective, acceptance  # noqa: E402
@@ -282,7 +282,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     The recipe is checked against the target's config.json here, once per training, before anything loads."""
     check_training_recipe(cfg)
     run = setup(cfg)
-    bar = tqdm(total=run.total, initial=run.progress.step, disable=run.rank != 0, desc=f"train {run.cfg.drafter.kind.value}",
+    bar = tqdm(total=run.total, initial=run.progress.step, disable=run.rank != 0, desc=f"train {run.cfg.drafter.kind}",
                unit="step")
     for step in range(run.progress.step, run.total):
         record = train_step(run, step)
@@ -323,7 +323,7 @@ def setup(cfg: DictConfig) -> Run:
                                     chat_template_kwargs=cfg.target.chat_template_kwargs)
     target.requires_grad_(False)
     target.to(device)
-    layers = kind_of(cfg).feature_layers(cfg, target.config.num_hidden_layers)
+    layers = feature_layers(cfg, target.config)
     data = TrainingData(tc.data_dir, tokenizer, cfg.target.model, tc.max_length, tc.heldout, tc.seed,
                         layers if tc.features.value == "offline" else (), tc.data_tokens)
     drafter = build_drafter(cfg, target, data, tokenizer)
@@ -422,7 +422,7 @@ def finish(run: Run) -> Dict[str, float]:
         shutil.copytree(run.last_good / "drafter", tmp, dirs_exist_ok=True)
         publish_dir(tmp, run.out / "drafter")
         alpha = (run.progress.last_metrics or {}).get("alpha/mean")
-        log.info(f"training: {run.cfg.drafter.kind.value}, step {run.progress.step} of {run.total}"
+        log.info(f"training: {run.cfg.drafter.kind}, step {run.progress.step} of {run.total}"
                  + (f", held-out α̂ {alpha:.3f}" if alpha is not None else "") + f" → {run.out / 'drafter'}")
     if run.logger:
         run.logger.finish()
@@ -507,7 +507,7 @@ def save_checkpoint(engine, drafter, cfg: DictConfig, root: Path, progress: Prog
     if rank == 0:
         atomic_write_text(folder / "recipe.yaml", OmegaConf.to_yaml(cfg))
         write_checkpoint_state(folder, {"step": progress.step, "tokens": progress.tokens, "seconds": round(progress.seconds, 2),
-                                        "drafter": cfg.drafter.kind.value, "metrics": progress.last_metrics})
+                                        "drafter": cfg.drafter.kind, "metrics": progress.last_metrics})
         for old in complete_checkpoints(root)[:-cfg.train.keep_checkpoints]:
             shutil.rmtree(old)
     dist.barrier()
@@ -549,9 +549,9 @@ def _run_id(out: Path) -> str:
 # ------------------------------------------------------------------------------------------------ the command
 def train_command(trainer: Optional[str] = None) -> None:
     """`script.py RECIPE.yaml [key=value ...]`, under `deepspeed` or as one process; reruns resume. The recipe's
-    drafter kind must be one of the training family `trainer` (kinds/: trainer; launch/train_<trainer>.py), or any
+    drafter kind must be one of the training family `trainer` (kinds/: training.trainer; launch/train_<trainer>.py), or any
     trainable kind when None."""
-    kinds = trainable_by(trainer) if trainer else [k for k in KINDS.values() if k.trainable]
+    kinds = trainable_by(trainer)
     script = f"launch/train_{trainer}.py" if trainer else "python -m specdrafter.jobs.train"
 
     def check(cfg: DictConfig) -> None:

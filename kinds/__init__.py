@@ -1,6 +1,7 @@
-"""The table of drafter kinds. Every stage that depends on the kind — training, the planner, decoding, the eval
-job, the benchmarks, export, conformance — looks the recipe's kind up here and asks it (kinds/base.py: the
-protocol); no other module branches on a kind's name. Adding a kind: docs/architecture.md."""
+"""The table of drafter kinds, the one place a kind is registered (the recipe's drafter.kind is checked against it).
+Every stage that depends on the kind — training, the planner, decoding, the eval job, the benchmarks, export,
+serving, conformance — looks the recipe's kind up here and asks the record of its concern (kinds/base.py); no other
+module branches on a kind's name. Adding a kind: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -17,22 +18,25 @@ from specdrafter.core.recipe import RecipeError, load_saved_recipe
 from specdrafter.core.weights import check_model_folder
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
-from specdrafter.kinds.block import DFlash, DSpark
-from specdrafter.kinds.draft import DraftModel, SelfDraft
-from specdrafter.kinds.eagle import Eagle1, Eagle3
-from specdrafter.kinds.medusa import Medusa
+from specdrafter.kinds.block import DFLASH_KIND, DSPARK_KIND
+from specdrafter.kinds.draft import DRAFT_MODEL, SELF_DRAFT
+from specdrafter.kinds.eagle import EAGLE1, EAGLE3
+from specdrafter.kinds.medusa import MEDUSA
 
 # In the order a folder's config.json is matched: a draft model (any *ForCausalLM) last.
-KINDS: Dict[str, Kind] = {k.name: k for k in (Eagle3(), Eagle1(), Medusa(), DFlash(), DSpark(), DraftModel(),
-                                               SelfDraft())}
+KINDS: Dict[str, Kind] = {k.name: k for k in (EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, DRAFT_MODEL, SELF_DRAFT)}
 
 __all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "kind_of_gguf", "drafter_path",
-           "check_drafter_folder", "build_drafter", "check_recipe", "newest_trained", "feature_layers", "trainable_by"]
+           "check_drafter_folder", "build_drafter", "check_recipe", "newest_trained", "feature_layers", "layers_read",
+           "trainable_by"]
 
 
 def kind_of(cfg: DictConfig) -> Kind:
     """The recipe's drafter kind."""
-    return KINDS[cfg.drafter.kind.value]
+    name = cfg.drafter.kind
+    if name not in KINDS:
+        raise RecipeError(f"recipe key 'drafter.kind': Invalid value {name!r}, expected one of [{', '.join(KINDS)}]")
+    return KINDS[name]
 
 
 def kind_of_config(config: dict) -> Optional[Kind]:
@@ -43,14 +47,15 @@ def kind_of_config(config: dict) -> Optional[Kind]:
 def kind_of_gguf(facts: dict) -> Optional[Kind]:
     """The kind a drafter GGUF holds (export/gguf.py:read_gguf's facts), asked of the kinds llama.cpp serves in the
     table's order (a draft model, of any architecture, last); None: no kind llama.cpp serves."""
-    return next((k for k in KINDS.values() if k.export and k.export.llamacpp and k.export.llamacpp.serves(facts)), None)
+    return next((k for k in KINDS.values() if k.export.llamacpp and k.export.llamacpp.serves(facts)), None)
 
 
 def check_recipe(cfg: DictConfig) -> None:
     """The rules that need the drafter side of the code: a static tree's shape (inference.tree), then the kind's own
     (jobs/recipe.py:checked_recipe runs them after the schema's, before anything loads), for the drafter that
     decodes: drafter.run's newest checkpoint where it holds one trained for target.model (it decodes in drafter.kind's
-    place: jobs/decode.py, resolve_drafter), else drafter.kind's."""
+    place: jobs/decode.py, resolve_drafter), else drafter.kind's. First: drafter.kind names a kind of the table."""
+    kind_of(cfg)
     if cfg.inference.tree:
         try:
             tree_from_choices([list(c) for c in cfg.inference.tree])
@@ -70,7 +75,7 @@ def check_recipe(cfg: DictConfig) -> None:
         kind.check_recipe(cfg)
     except RecipeError as e:
         raise RecipeError(f"{e}: drafter.run {cfg.drafter.run} holds {kind.description} ({trained.drafter}), which "
-                          f"decodes in place of drafter.kind={cfg.drafter.kind.value} (drafter.run=null decodes with "
+                          f"decodes in place of drafter.kind={cfg.drafter.kind} (drafter.run=null decodes with "
                           "drafter.kind)") from None
 
 
@@ -92,22 +97,29 @@ def newest_trained(cfg: DictConfig) -> Checkpoint:
 def build_drafter(cfg: DictConfig, target, data=None, tokenizer=None):
     """The recipe's training drafter, initialised from the target (and, for EAGLE-3's draft vocabulary, the data)."""
     kind = kind_of(cfg)
-    if not kind.trainable:
-        trainable = ", ".join(k.name for k in KINDS.values() if k.trainable)
+    if not kind.training:
+        trainable = ", ".join(k.name for k in KINDS.values() if k.training)
         raise SpecdrafterError(f"recipe key 'drafter.kind': {kind.name} is not trainable (valid: {trainable})")
-    return kind.drafter(cfg, target, data, tokenizer)
+    return kind.training.drafter(cfg, target, data, tokenizer)
 
 
 def feature_layers(cfg: DictConfig, target_config) -> List[int]:
-    """The target layers the recipe's drafter reads (kinds/: feature_layers), for a target with `target_config`."""
-    return kind_of(cfg).feature_layers(cfg, target_config.num_hidden_layers)
+    """The target layers the recipe's drafter reads, for a target with `target_config`."""
+    return layers_read(cfg, target_config.num_hidden_layers)
+
+
+def layers_read(cfg: DictConfig, num_layers: int) -> List[int]:
+    """The target layers the recipe's drafter reads (its training's feature_layers), of a target with `num_layers`
+    layers; a kind that trains nothing reads the last layer's output only."""
+    kind = kind_of(cfg)
+    return kind.training.feature_layers(cfg, num_layers) if kind.training else [num_layers]
 
 
 def drafter_path(cfg: DictConfig) -> Optional[str]:
     """drafter.path checked for decoding: required by every kind but the self-draft; a local folder must be
     complete and hold the recipe's kind. A hub id is passed on as it is."""
     kind = kind_of(cfg)
-    if not kind.needs_folder:
+    if not kind.decoding.needs_folder:
         return None
     if not cfg.drafter.path:
         raise SpecdrafterError(f"recipe key 'drafter.path' is required to decode with a trained {kind.name} "
@@ -127,6 +139,6 @@ def check_drafter_folder(folder: Path, kind: Kind) -> None:
                                f"'drafter.kind' is {kind.name}")
 
 
-def trainable_by(trainer: str) -> List[Kind]:
-    """The kinds of a training family (what launch/train_<trainer>.py trains)."""
-    return [k for k in KINDS.values() if k.trainer == trainer]
+def trainable_by(trainer: Optional[str]) -> List[Kind]:
+    """The kinds of a training family (what launch/train_<trainer>.py trains); None: every trainable kind."""
+    return [k for k in KINDS.values() if k.training and trainer in (None, k.training.trainer)]

@@ -1,22 +1,31 @@
-"""The protocol every drafter kind implements: one class per kind, one instance per kind in `KINDS`
-(kinds/__init__.py). The jobs — training, the planner, decoding, the eval job, the benchmarks, export and the
-conformance run — ask the recipe's kind what to do instead of branching on its name.
+"""What a drafter kind is: one `Kind` record per kind in `KINDS` (kinds/__init__.py), holding one record per concern.
+The jobs — training, the planner, decoding, the eval job, the benchmarks, export, serving and the conformance run —
+ask the recipe's kind the record of their concern instead of branching on its name.
 
-A kind answers six questions:
-    what it builds            drafter(cfg, target, data, tokenizer) → the training drafter (train/drafters.py)
-    what it predicts          that drafter's predictions(module, batch, target) → [Prediction] (train/drafters.py)
-    what decodes with it      proposer(cfg, target, path) → a Proposer / TreeProposer (inference/)
-    where it exports          export: its family (export/formats.py has one writer each) and the formats, or None
-    what it costs to train    planner_module / planner_activations / planner_checks (train/memory.py terms)
-    how it is benchmarked     bench_arms(cfg) → [ArmSpec] (benchmarks/bench_decode.py builds and times them)
+    kind.name, .description, .title   what a recipe, a message and a model card call it
+    kind.recognises(config)           whether a folder's config.json holds it
+    kind.check_recipe(cfg)            the recipe rules that need the kind (the decoding and training records' own)
+    kind.training    Training         its family's launcher and recipe, the drafter the loop trains (train/drafters.py:
+                                      predictions → [Prediction]), the target layers it reads; None: not trainable
+    kind.decoding    Decoding         the proposer around its folder (inference/), the trees and acceptance it
+                                      decodes with, the model it verifies with, its benchmark arms
+    kind.planning    Planning         what it costs to train: its module on the meta device, activation bytes
+                                      (train/memory.py terms), the checks that need only the target's config
+    kind.export      Export           its family's writer and formats (export/formats.py), its model card's tag,
+                                      llama.cpp's needs (`export.llamacpp`, a LlamaCpp); NoExport says why none
+    kind.conformance Conformance      the variants the conformance run exports and the step the engines must reproduce
+
+A record is a frozen dataclass: data as fields, behaviour as methods that a family's subclass overrides (as LlamaCpp).
+A kind is declared once, in its family's module (kinds/eagle.py, medusa.py, draft.py, block.py), and listed once,
+in `KINDS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from omegaconf import DictConfig
 
@@ -99,76 +108,63 @@ NO_LAYER_INPUTS = {"Gemma3ForCausalLM": "Gemma 3", "Gemma3ForConditionalGenerati
 
 @dataclass(frozen=True)
 class Export:
-    """Where a kind exports: its family's writer writes the `formats`, and the model card carries the Hub tag."""
+    """Where a kind exports: its family's writer writes the formats in `writes`, llama.cpp's converter `gguf` from one
+    of them, and the model card carries the Hub tag."""
     family: Family
-    formats: Tuple[str, ...]  # export/formats.py --format names, as the kind lists them (gguf: from `llamacpp`)
+    writes: Tuple[str, ...]  # export/formats.py --format names its family's writer writes for it, as the kind lists them
     card_tag: str  # the Hub tag of its model card
     llamacpp: Optional[LlamaCpp] = None  # None: llama.cpp serves no drafter of this kind
 
-
-class Kind:
-    """Defaults shared by the kinds; each kind overrides what differs."""
-    name: str  # the recipe's drafter.kind
-    description: str  # "an EAGLE-3 head": how messages name what a folder holds
-    title: str = "Drafter"  # "EAGLE-3 draft head": model cards' and reports' heading
-    trainer: Optional[str] = None  # the training family it belongs to (launch/train_<trainer>.py); None: not trainable
-    recipe: Optional[str] = None  # the SmolLM2 recipe (recipes/) that trains it: benchmarks and conformance start there
-    needs_folder: bool = True  # decoding needs drafter.path (a self-draft is built from the target)
-    export: Optional[Export] = None  # None: no export (`no_export` says why)
-    no_export: str = "that kind has no export"
-    typical: bool = False  # Medusa's typical acceptance applies (heads over a static tree)
-    trees: Tuple[str, ...] = ("static", "dynamic")  # the trees it drafts (inference.tree, inference.dynamic_tree)
-    memory_fixes: Dict[str, str] = {}  # planner: extra keys that shrink a memory term of this kind
-    plan_bench_overrides: Tuple[str, ...] = ()  # benchmarks/bench_plan.py: its recipe shrunk to train in seconds on a CPU
-
-    @property
-    def trainable(self) -> bool:
-        return self.trainer is not None
-
-    @property
-    def launcher(self) -> Optional[str]:
-        """The launch/ script that trains it, which names its family: `train_command(trainer)`."""
-        return f"train_{self.trainer}.py" if self.trainer else None
-
     @property
     def formats(self) -> Tuple[str, ...]:
-        """The export formats that write this kind (none without an export)."""
-        if self.export is None:
-            return ()
-        return self.export.formats + (("gguf",) if self.export.llamacpp else ())
+        """Every --format that writes this kind: its writer's, and gguf where llama.cpp serves it."""
+        return self.writes + (("gguf",) if self.llamacpp else ())
 
-    # --------------------------------------------------------------------------- recipes and folders
-    def recognises(self, config: dict) -> bool:
-        """Whether a folder's config.json holds this kind."""
-        return False
 
-    def check_recipe(self, cfg: DictConfig) -> None:
-        """Cross-field rules the recipe schema cannot express without knowing the kind (RecipeError, one line)."""
-        inf, verifiers = cfg.inference, {v.value for v in cfg.eval.verifiers}
-        if inf.verifier.value == "typical" or "typical" in verifiers:
-            key = "inference.verifier" if inf.verifier.value == "typical" else "eval.verifiers"
-            missing = (f"Medusa heads (drafter.kind=medusa; it is {self.name})" if not self.typical else
-                       None if inf.tree else "a static inference.tree")
-            if missing:
-                raise RecipeError(f"recipe key {key!r}: typical acceptance needs {missing}")
-        if inf.tree and "static" not in self.trees:
-            raise RecipeError(f"recipe key 'inference.tree': {self.description} drafts dynamic trees; use "
-                              "inference.dynamic_tree.total_tokens")
-        if inf.dynamic_tree.total_tokens and "dynamic" not in self.trees:
-            raise RecipeError(f"recipe key 'inference.dynamic_tree': {self.description} drafts static trees; use "
-                              "inference.tree")
+@dataclass(frozen=True)
+class NoExport:
+    """A kind no engine format writes; `why` says so."""
+    why: str
+    family = None
+    writes = formats = ()
+    llamacpp = None
 
-    # ----------------------------------------------------------------------------------------- training
+
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a kind trains: the family whose launch/train_<trainer>.py trains it, the SmolLM2 recipe that does
+    (benchmarks and conformance start there), the drafter the loop trains and the target layers it reads."""
+    trainer: str
+    recipe: Optional[str] = None  # recipes/<recipe>; None: none ships
+
+    @property
+    def launcher(self) -> str:
+        """The launch/ script that trains it, which names its family: `train_command(trainer)`."""
+        return f"train_{self.trainer}.py"
+
     def drafter(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         """The training drafter (train/drafters.py): module, predictions(), save()."""
-        raise SpecdrafterError(f"recipe key 'drafter.kind': {self.name} is not trainable")
+        raise NotImplementedError
 
     def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
         """Target layers the drafter reads (ids as in models/features.py). The last layer's output is always among
         them: from it offline training rebuilds the target's logits."""
         return [num_layers]
 
-    # ----------------------------------------------------------------------------------------- decoding
+    def check_recipe(self, cfg: DictConfig) -> None:
+        """Training's rules that need the kind (RecipeError, one line)."""
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a kind decodes: the proposer around its folder, the trees it drafts, whether Medusa's typical acceptance
+    applies, the model it verifies with, and its benchmark arms."""
+    trees: Tuple[str, ...] = ("static", "dynamic")  # the trees it drafts (inference.tree, inference.dynamic_tree)
+    typical: bool = False  # Medusa's typical acceptance applies (heads over a static tree)
+    needs_folder: bool = True  # decoding needs drafter.path (a self-draft is built from the target)
+
     def proposer(self, cfg: DictConfig, target: nn.Module, path: Optional[str]):
         """The proposer the recipe asks for (a chain, inference.tree, or inference.dynamic_tree) around the drafter
         at `path` (checked by kinds.drafter_path), beside the target on its device and in its dtype."""
@@ -177,27 +173,38 @@ class Kind:
     def assistant_model(self, cfg: DictConfig, target: nn.Module, path: Optional[str]) -> nn.Module:
         """The drafter as a causal LM of its own (HF generate's `assistant_model`: the benchmarks' hf_assisted arm),
         for the kinds that are one."""
-        raise SpecdrafterError(f"{self.description} is not a causal LM of its own: HF assisted generation cannot use it")
+        raise SpecdrafterError("this drafter is not a causal LM of its own: HF assisted generation cannot use it")
 
     def serving_target(self, folder: Optional[Path], target: nn.Module) -> nn.Module:
         """The model decoding verifies with: the target, unless the drafter folder brings its own (Medusa-2)."""
         return target
 
-    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
-        return [ArmSpec(f"{self.name}_chain", f"k={cfg.inference.k}", EvalVerifier.chain, k=cfg.inference.k)]
+    def bench_arms(self, cfg: DictConfig, name: str) -> List[ArmSpec]:
+        """The benchmark arms of kind `name` (benchmarks/bench_decode.py builds and times them)."""
+        return [ArmSpec(f"{name}_chain", f"k={cfg.inference.k}", EvalVerifier.chain, k=cfg.inference.k)]
 
-    # ------------------------------------------------------------------------------------------ planner
-    def planner_module(self, cfg: DictConfig, target: nn.Module,
-                       config_of: Callable[[str], object]) -> Tuple[nn.Module, Optional[Shapes]]:
+    def check_recipe(self, cfg: DictConfig, description: str) -> None:
+        """Decoding's rules beyond the trees and acceptance every kind checks (RecipeError, one line)."""
+
+
+@dataclass(frozen=True)
+class Planning:
+    """What a kind costs to train (jobs/plan.py, train/memory.py): the trainable module, its activation bytes and
+    the checks that need only the target's config."""
+    memory_fixes: Dict[str, str] = field(default_factory=dict)  # extra keys that shrink a memory term of this kind
+    bench_overrides: Tuple[str, ...] = ()  # benchmarks/bench_plan.py: its recipe shrunk to train in seconds on a CPU
+
+    def module(self, cfg: DictConfig, target: nn.Module, config_of: Callable[[str], object],
+               training: Training) -> Tuple[nn.Module, Optional[Shapes]]:
         """(the trainable module built on the meta device, its own shapes when it is a causal LM, else None).
         `config_of(name)` reads a model's config without weights (jobs/plan.py:target_config)."""
-        return self.drafter(cfg, target).module, None
+        return training.drafter(cfg, target).module, None
 
-    def planner_activations(self, act: Activations, m: MemoryInputs) -> None:
-        """Add this kind's activation bytes of one micro-batch to `act` (train/memory.py holds the terms)."""
+    def activations(self, act: Activations, m: MemoryInputs) -> None:
+        """Add this kind's activation bytes of one micro-batch to `act` (train/memory.py holds the shared terms)."""
         raise NotImplementedError
 
-    def planner_checks(self, cfg: DictConfig, T: Shapes, config_of: Callable[[str], object]) -> List[Tuple[bool, str]]:
+    def checks(self, cfg: DictConfig, T: Shapes, config_of: Callable[[str], object]) -> List[Tuple[bool, str]]:
         """(ok, line) checks that need only the target's config."""
         return []
 
@@ -205,14 +212,54 @@ class Kind:
         """What the planner's activation line adds after the batch shape."""
         return ""
 
-    # -------------------------------------------------------------------------------------- conformance
-    def conformance_variants(self) -> Dict[str, List[str]]:
-        """Variant name → recipe overrides: the drafters the conformance run trains nothing into, exports and loads."""
-        return {}
+
+@dataclass(frozen=True)
+class Conformance:
+    """What the conformance run (benchmarks/conformance.py) exports and loads in the engines' own code."""
+    variants: Dict[str, List[str]]  # variant name → recipe overrides of training.recipe: the drafters it trains nothing into
 
     def reference_step(self, module: nn.Module, target: nn.Module, hidden_states, ids) -> dict:
         """Inputs of one draft step and our logits for them, which the engines' own code must reproduce."""
         raise NotImplementedError
 
     def perturb(self, module: nn.Module, name: str, vocab_size: int) -> None:
-        """Conformance: beyond moving every weight off its initial value, anything else a variant must exercise."""
+        """Beyond moving every weight off its initial value, anything else a variant must exercise."""
+
+
+@dataclass(frozen=True, eq=False)  # one record per kind: compared and hashed by identity
+class Kind:
+    """A drafter kind: what it is called, how its folder is recognised, and one record per concern."""
+    name: str  # the recipe's drafter.kind
+    description: str  # "an EAGLE-3 head": how messages name what a folder holds
+    title: str  # "EAGLE-3 draft head": model cards' and reports' heading
+    recognises: Callable[[dict], bool]  # whether a folder's config.json holds this kind
+    decoding: Decoding
+    export: Union[Export, NoExport]
+    training: Optional[Training] = None  # None: not trainable
+    planning: Optional[Planning] = None  # None with training
+    conformance: Optional[Conformance] = None  # None: the conformance run exports none
+
+    def check_recipe(self, cfg: DictConfig) -> None:
+        """Cross-field rules the recipe schema cannot express without knowing the kind (RecipeError, one line): the
+        trees and acceptance it decodes with, then its decoding's and its training's own."""
+        inf, verifiers, d = cfg.inference, {v.value for v in cfg.eval.verifiers}, self.decoding
+        if inf.verifier.value == "typical" or "typical" in verifiers:
+            key = "inference.verifier" if inf.verifier.value == "typical" else "eval.verifiers"
+            missing = (f"Medusa heads (drafter.kind=medusa; it is {self.name})" if not d.typical else
+                       None if inf.tree else "a static inference.tree")
+            if missing:
+                raise RecipeError(f"recipe key {key!r}: typical acceptance needs {missing}")
+        if inf.tree and "static" not in d.trees:
+            raise RecipeError(f"recipe key 'inference.tree': {self.description} drafts dynamic trees; use "
+                              "inference.dynamic_tree.total_tokens")
+        if inf.dynamic_tree.total_tokens and "dynamic" not in d.trees:
+            raise RecipeError(f"recipe key 'inference.dynamic_tree': {self.description} drafts static trees; use "
+                              "inference.tree")
+        d.check_recipe(cfg, self.description)
+        if self.training:
+            self.training.check_recipe(cfg)
+
+
+def never(config: dict) -> bool:
+    """`recognises` of a kind no folder holds (a self-draft is built from the target)."""
+    return False

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -13,7 +13,17 @@ from specdrafter.core.llamacpp import SDIST
 from specdrafter.core.recipe import EvalVerifier, RecipeError
 from specdrafter.inference.autotune import ConfidenceLength
 from specdrafter.inference.block import BlockProposer
-from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
+from specdrafter.kinds.base import (
+    ArmSpec,
+    Conformance,
+    Decoding,
+    Export,
+    Family,
+    Kind,
+    LlamaCpp,
+    Planning,
+    Training,
+)
 from specdrafter.models.block import (
     DFLASH,
     DSPARK,
@@ -78,45 +88,32 @@ class BlockEngines:
     speculators_since: str  # the first speculators release with the model
 
 
-class BlockKind(Kind):
-    """What DFlash and DSpark share; `variant` is the model's (models/block.py), and its name the kind's."""
-    trainer = "block"
-    trees = ()
-    variant: Variant  # whether the anchor slot drafts (label_shift), whether the DSpark heads exist, class names
-    engines: BlockEngines
-    memory_fixes = {"activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"}
-    plan_bench_overrides = ("train.micro_batch_size=1", "train.max_length=256", "drafter.block.anchors=8")
-
-    def recognises(self, config: dict) -> bool:
-        return block_variant(config) == self.variant
-
-    def drafts(self, cfg: DictConfig) -> int:
-        """γ: drafts per block of the recipe."""
-        return self.drafts_per_block(cfg.drafter.block.block_size)
+@dataclass(frozen=True)
+class BlockExport(Export):
+    """A block drafter's export: its `variant` (models/block.py: the class names, whether the anchor slot drafts and
+    the DSpark heads exist) and what the engines call it; export/block.py reads these, never the kind."""
+    variant: Variant = DFLASH
+    engines: BlockEngines = None
 
     def drafts_per_block(self, block_size: int) -> int:
         """γ of a block of `block_size` slots: DFlash's anchor slot drafts nothing, DSpark's does (label shift).
         The engines' num_speculative_tokens."""
-        return block_size - (0 if self.variant.label_shift else 1)
+        return drafts_per_block(self.variant, block_size)
 
-    def check_recipe(self, cfg: DictConfig) -> None:
-        super().check_recipe(cfg)
-        b, inf = cfg.drafter.block, cfg.inference
-        if b.length.value == "confidence":
-            if not self.variant.heads:
-                raise RecipeError(f"recipe key 'drafter.block.length': confidence needs DSpark's confidence head; "
-                                  f"{self.description} has none (use fixed)")
-            if inf.k == "auto":
-                raise RecipeError("recipe key 'inference.k': with drafter.block.length=confidence the confidence head "
-                                  f"sizes each cycle; set k to a number, the most drafts verified (<= {self.drafts(cfg)})")
-        if inf.k != "auto" and inf.k > self.drafts(cfg):
-            raise RecipeError(f"recipe key 'inference.k' ({inf.k}) exceeds the {self.drafts(cfg)} drafts of a block "
-                              f"(drafter.block.block_size={b.block_size})")
-        if b.anchors > cfg.train.max_length - 1:
-            raise RecipeError(f"recipe key 'drafter.block.anchors' ({b.anchors}): a sequence of train.max_length "
-                              f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")
 
-    # ----------------------------------------------------------------------------------------- training
+def drafts_per_block(variant: Variant, block_size: int) -> int:
+    return block_size - (0 if variant.label_shift else 1)
+
+
+def drafts(variant: Variant, cfg: DictConfig) -> int:
+    """γ: drafts per block of the recipe."""
+    return drafts_per_block(variant, cfg.drafter.block.block_size)
+
+
+@dataclass(frozen=True)
+class BlockTraining(Training):
+    variant: Variant = DFLASH
+
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return BlockTrainingDrafter(cfg, target, self.variant, data, tokenizer)
 
@@ -126,29 +123,60 @@ class BlockKind(Kind):
         ids = list(b.aux_layer_ids) or default_aux_layer_ids(num_layers, b.num_features)
         return sorted({*ids, num_layers})
 
-    # ----------------------------------------------------------------------------------------- decoding
+    def check_recipe(self, cfg: DictConfig) -> None:
+        b = cfg.drafter.block
+        if b.anchors > cfg.train.max_length - 1:
+            raise RecipeError(f"recipe key 'drafter.block.anchors' ({b.anchors}): a sequence of train.max_length "
+                              f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")
+
+
+@dataclass(frozen=True)
+class BlockDecoding(Decoding):
+    variant: Variant = DFLASH
+    trees: Tuple[str, ...] = ()
+
     def proposer(self, cfg, target, path):
         drafter = load_block_drafter(path, self.variant, target.dtype).to(target.device)
         confidence = cfg.drafter.block.length.value == "confidence"
         return BlockProposer(drafter, target, ConfidenceLength(drafter.num_drafts) if confidence else None)
 
-    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+    def bench_arms(self, cfg: DictConfig, name: str) -> List[ArmSpec]:
         k = cfg.inference.k
-        arms = [ArmSpec(f"{self.name}_chain", f"k={k}", EvalVerifier.chain, k=k)]
+        arms = [ArmSpec(f"{name}_chain", f"k={k}", EvalVerifier.chain, k=k)]
         if self.variant.heads and k != "auto":
-            arms.append(ArmSpec(f"{self.name}_confidence", f"k<={k} by confidence", EvalVerifier.chain,
+            arms.append(ArmSpec(f"{name}_confidence", f"k<={k} by confidence", EvalVerifier.chain,
                                 drafter={"block": {"length": "confidence"}}, k=k))
-        arms.append(ArmSpec(f"{self.name}_asd", f"k={k} B={cfg.inference.asd.budget:g}", EvalVerifier.asd, k=k))
+        arms.append(ArmSpec(f"{name}_asd", f"k={k} B={cfg.inference.asd.budget:g}", EvalVerifier.asd, k=k))
         return arms
 
-    # ------------------------------------------------------------------------------------------ planner
-    def planner_module(self, cfg, target, config_of):
+    def check_recipe(self, cfg: DictConfig, description: str) -> None:
+        b, inf, gamma = cfg.drafter.block, cfg.inference, drafts(self.variant, cfg)
+        if b.length.value == "confidence":
+            if not self.variant.heads:
+                raise RecipeError(f"recipe key 'drafter.block.length': confidence needs DSpark's confidence head; "
+                                  f"{description} has none (use fixed)")
+            if inf.k == "auto":
+                raise RecipeError("recipe key 'inference.k': with drafter.block.length=confidence the confidence head "
+                                  f"sizes each cycle; set k to a number, the most drafts verified (<= {gamma})")
+        if inf.k != "auto" and inf.k > gamma:
+            raise RecipeError(f"recipe key 'inference.k' ({inf.k}) exceeds the {gamma} drafts of a block "
+                              f"(drafter.block.block_size={b.block_size})")
+
+
+@dataclass(frozen=True)
+class BlockPlanning(Planning):
+    variant: Variant = DFLASH
+    memory_fixes: Dict[str, str] = field(default_factory=lambda: {
+        "activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"})
+    bench_overrides: Tuple[str, ...] = ("train.micro_batch_size=1", "train.max_length=256", "drafter.block.anchors=8")
+
+    def module(self, cfg, target, config_of, training):
         return BlockDrafter(drafter_config(cfg, target.config, self.variant)), None
 
-    def planner_activations(self, act, m) -> None:
-        memory.block(act, m, self.drafts(m.cfg), self.variant.heads)
+    def activations(self, act, m) -> None:
+        memory.block(act, m, drafts(self.variant, m.cfg), self.variant.heads)
 
-    def planner_checks(self, cfg, T, config_of):
+    def checks(self, cfg, T, config_of):
         b = cfg.drafter.block
         try:
             ids = list(b.aux_layer_ids) or default_aux_layer_ids(T.layers, b.num_features)
@@ -166,7 +194,9 @@ class BlockKind(Kind):
         b = cfg.drafter.block
         return f", {b.anchors} blocks of {b.block_size} per sequence"
 
-    # -------------------------------------------------------------------------------------- conformance
+
+@dataclass(frozen=True)
+class BlockConformance(Conformance):
     def reference_step(self, module, target, hidden_states, ids) -> dict:
         """One block at position 4 after the context 0..3 (HF hidden_states: index k is the input to layer k). Also
         every layer's states of the context, from which a check picks the features by the engine's own reading of
@@ -185,14 +215,6 @@ class BlockKind(Kind):
                 "confidence": confidence[0] if confidence is not None else None,
                 "target_embed": target.get_input_embeddings().weight, "target_lm_head": target.get_output_embeddings().weight}
 
-    def conformance_variants(self) -> Dict[str, List[str]]:
-        """A tiny drafter over three target layers with the full vocabulary, and one with a pruned vocabulary
-        (which the vllm and speculators exports carry with the target's lm_head rows, and SGLang cannot read)."""
-        tiny = ["drafter.block.num_layers=2", "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1,2,3]",
-                "drafter.block.markov_rank=8"]
-        return {f"{self.name}-full": [*tiny, "drafter.block.draft_vocab_size=0"],
-                f"{self.name}-pruned": [*tiny, "drafter.block.draft_vocab_size=1024"]}
-
     def perturb(self, module, name: str, vocab_size: int) -> None:
         """A pruned draft vocabulary that is not the first Vd ids, so that d2t and the lm_head rows must be read right."""
         Vd = len(module.d2t)
@@ -200,27 +222,35 @@ class BlockKind(Kind):
             module.set_draft_vocab(torch.randperm(vocab_size)[:Vd].sort().values)
 
 
-class DFlash(BlockKind):
-    variant = DFLASH
-    name = DFLASH.name
-    description = "a DFlash block drafter"
-    recipe = "smollm2-135m-dflash.yaml"
-    title = "DFlash block drafter"
-    export = Export(Family.block, BLOCK_FORMATS, card_tag="dflash", llamacpp=DFLASH_LLAMACPP)
-    # z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
-    # vLLM 0.20-0.21 have the class but read dflash_config.target_layer_ids as layer inputs (one layer early)
-    engines = BlockEngines("dflash", "DFLASH", vllm_since="0.22.0",
-                           sglang_since="0.5.11", speculators_since="0.5.0")
+def block_conformance(name: str) -> BlockConformance:
+    """A tiny drafter over three target layers with the full vocabulary, and one with a pruned vocabulary
+    (which the vllm and speculators exports carry with the target's lm_head rows, and SGLang cannot read)."""
+    tiny = ["drafter.block.num_layers=2", "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1,2,3]",
+            "drafter.block.markov_rank=8"]
+    return BlockConformance({f"{name}-full": [*tiny, "drafter.block.draft_vocab_size=0"],
+                             f"{name}-pruned": [*tiny, "drafter.block.draft_vocab_size=1024"]})
 
 
-class DSpark(BlockKind):
-    variant = DSPARK
-    name = DSPARK.name
-    description = "a DSpark block drafter"
-    recipe = "smollm2-135m-dspark.yaml"
-    title = "DSpark block drafter"
-    export = Export(Family.block, BLOCK_FORMATS, card_tag="dspark", llamacpp=BlockLlamaCpp("draft-dspark", converts="vllm",
-                                                                                             gguf_arch="dflash", markov=True))
-    # vLLM 0.25-0.27 have the class but skip the confidence head's weights
-    engines = BlockEngines("dspark", "DSPARK", vllm_since="0.28.0",
-                           sglang_since="0.5.16", speculators_since="0.7.0")
+def block_kind(variant: Variant, description: str, title: str, engines: BlockEngines, llamacpp: BlockLlamaCpp) -> Kind:
+    """A block drafter kind: `variant` is the model's (models/block.py), and its name the kind's."""
+    return Kind(
+        variant.name, description, title,
+        recognises=lambda config: block_variant(config) == variant,
+        training=BlockTraining("block", f"smollm2-135m-{variant.name}.yaml", variant=variant),
+        decoding=BlockDecoding(variant=variant),
+        planning=BlockPlanning(variant=variant),
+        export=BlockExport(Family.block, BLOCK_FORMATS, card_tag=variant.name, llamacpp=llamacpp, variant=variant,
+                           engines=engines),
+        conformance=block_conformance(variant.name))
+
+
+# z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
+# vLLM 0.20-0.21 have the class but read dflash_config.target_layer_ids as layer inputs (one layer early)
+DFLASH_KIND = block_kind(DFLASH, "a DFlash block drafter", "DFlash block drafter",
+                         BlockEngines("dflash", "DFLASH", vllm_since="0.22.0", sglang_since="0.5.11",
+                                      speculators_since="0.5.0"), DFLASH_LLAMACPP)
+# vLLM 0.25-0.27 have the class but skip the confidence head's weights
+DSPARK_KIND = block_kind(DSPARK, "a DSpark block drafter", "DSpark block drafter",
+                         BlockEngines("dspark", "DSPARK", vllm_since="0.28.0", sglang_since="0.5.16",
+                                      speculators_since="0.7.0"),
+                         BlockLlamaCpp("draft-dspark", converts="vllm", gguf_arch="dflash", markov=True))

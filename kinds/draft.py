@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import List
 
 import torch
 from omegaconf import DictConfig
@@ -21,7 +22,19 @@ from specdrafter.inference.proposers import (
     self_draft,
 )
 from specdrafter.inference.tree import tree_from_choices
-from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
+from specdrafter.kinds.base import (
+    ArmSpec,
+    Conformance,
+    Decoding,
+    Export,
+    Family,
+    Kind,
+    LlamaCpp,
+    NoExport,
+    Planning,
+    Training,
+    never,
+)
 from specdrafter.train import memory
 from specdrafter.train.drafters import DraftModelDrafter
 from specdrafter.train.memory import Shapes
@@ -42,47 +55,10 @@ class DraftLlamaCpp(LlamaCpp):
                                    "(drafter.num_layers)")
 
 
-class CausalDraft(Kind):
-    """What a draft model and the self-draft share: a causal LM with the target's vocabulary (`assistant_model`)
-    drafting on its own."""
-
-    def proposer(self, cfg, target, path):
-        draft, inf = self.assistant_model(cfg, target, path), cfg.inference
-        dyn = inf.dynamic_tree
-        if inf.tree:
-            return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
-        if dyn.total_tokens:
-            return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens)
-        return DraftModelProposer(draft)
-
-    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
-        """HF assisted generation with the draft model, our chain, and the recipe's static tree."""
-        inf, k = cfg.inference, cfg.inference.k
-        arms = [ArmSpec("hf_assisted", f"k={k}", EvalVerifier.chain, hf_assisted=True),
-                ArmSpec(f"{self.name}_chain", f"k={k}", EvalVerifier.chain, k=k)]
-        if inf.tree:
-            size = len(inf.tree) + 1
-            arms.append(ArmSpec(f"{self.name}_tree", f"tree {size}", EvalVerifier.tree,
-                                {"tree": [list(c) for c in inf.tree]}, tree_size=size))
-        return arms
-
-
-class DraftModel(CausalDraft):
-    name = "draft_model"
-    description = "a draft model"
-    title = "Draft model"
-    trainer = "draft"
-    recipe = "smollm2-135m-draft.yaml"
-    export = Export(Family.hf, ("hf-draft",), card_tag="draft-model", llamacpp=DraftLlamaCpp("draft-simple", converts="hf-draft",
-                                                                                        reads_layer_inputs=False))
-    plan_bench_overrides = ("train.micro_batch_size=2", "train.max_length=256")
-
-    def recognises(self, config: dict) -> bool:
-        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
-        return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
-
-    def drafter(self, cfg, target, data=None, tokenizer=None):
-        return DraftModelDrafter(cfg, target, data, tokenizer)
+@dataclass(frozen=True)
+class CausalDecoding(Decoding):
+    """A causal LM with the target's vocabulary (`assistant_model`) drafting on its own: a chain, a static or a
+    dynamic tree. This one is a draft model's folder (or hub id)."""
 
     def assistant_model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
         """The draft *model* itself (also HF generate's `assistant_model`), in the target's dtype, beside it."""
@@ -93,7 +69,45 @@ class DraftModel(CausalDraft):
         check_vocabularies(target, draft)
         return draft
 
-    def planner_module(self, cfg, target, config_of):
+    def proposer(self, cfg, target, path):
+        draft, inf = self.assistant_model(cfg, target, path), cfg.inference
+        dyn = inf.dynamic_tree
+        if inf.tree:
+            return DraftModelTreeProposer(draft, tree_from_choices([list(c) for c in inf.tree]))
+        if dyn.total_tokens:
+            return DynamicTreeProposer(draft, dyn.depth, dyn.top_k, dyn.total_tokens)
+        return DraftModelProposer(draft)
+
+    def bench_arms(self, cfg: DictConfig, name: str) -> List[ArmSpec]:
+        """HF assisted generation with the draft model, our chain, and the recipe's static tree."""
+        inf, k = cfg.inference, cfg.inference.k
+        arms = [ArmSpec("hf_assisted", f"k={k}", EvalVerifier.chain, hf_assisted=True),
+                ArmSpec(f"{name}_chain", f"k={k}", EvalVerifier.chain, k=k)]
+        if inf.tree:
+            size = len(inf.tree) + 1
+            arms.append(ArmSpec(f"{name}_tree", f"tree {size}", EvalVerifier.tree,
+                                {"tree": [list(c) for c in inf.tree]}, tree_size=size))
+        return arms
+
+
+@dataclass(frozen=True)
+class SelfDraftDecoding(CausalDecoding):
+    """The target's first layers, training-free: inference/proposers.py:self_draft checks num_layers where it builds one."""
+    needs_folder: bool = False
+
+    def assistant_model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
+        return self_draft(target, cfg.drafter.num_layers)
+
+
+@dataclass(frozen=True)
+class DraftTraining(Training):
+    def drafter(self, cfg, target, data=None, tokenizer=None):
+        return DraftModelDrafter(cfg, target, data, tokenizer)
+
+
+@dataclass(frozen=True)
+class DraftPlanning(Planning):
+    def module(self, cfg, target, config_of, training):
         """A draft model named by drafter.path is built from its config (no weights); else the target's layers."""
         dr = cfg.drafter
         if dr.path:
@@ -104,12 +118,12 @@ class DraftModel(CausalDraft):
                                                            target_modules=list(dr.lora.target_modules)))
             return module, Shapes.of(dconf)
         t = Shapes.of(target.config)
-        return self.drafter(cfg, target).module, Shapes(**{**t.__dict__, "layers": len(dr.layers) or dr.num_layers})
+        return training.drafter(cfg, target).module, Shapes(**{**t.__dict__, "layers": len(dr.layers) or dr.num_layers})
 
-    def planner_activations(self, act, m) -> None:
+    def activations(self, act, m) -> None:
         memory.draft_model(act, m)
 
-    def planner_checks(self, cfg, T: Shapes, config_of):
+    def checks(self, cfg, T: Shapes, config_of):
         dr = cfg.drafter
         if not dr.path:
             layers = list(dr.layers) or list(range(dr.num_layers))
@@ -123,20 +137,32 @@ class DraftModel(CausalDraft):
                  f"recipe key 'drafter.path': {dr.path!r} has {D.vocab} tokens and {D.positions} positions; "
                  f"the target has {T.vocab} tokens and train.max_length is {cfg.train.max_length}")]
 
-    def conformance_variants(self) -> Dict[str, List[str]]:
-        return {"draft": ["drafter.num_layers=2"]}
 
+@dataclass(frozen=True)
+class DraftConformance(Conformance):
     def reference_step(self, module, target, hidden_states, ids) -> dict:
         """Its logits on the prompt."""
         return {"ids": ids[0], "logits": module(ids).logits[0]}
 
 
-class SelfDraft(CausalDraft):
-    """The target's first layers, training-free: inference/proposers.py:self_draft checks num_layers where it builds one."""
-    name = "self_draft"
-    description = "a self-draft"
-    needs_folder = False
-    no_export = "a self-draft is the target's own first layers: there is nothing to export"
+def causal_lm(config: dict) -> bool:
+    """Whether a config.json holds any *ForCausalLM."""
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    return any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs)
 
-    def assistant_model(self, cfg: DictConfig, target: nn.Module, path) -> nn.Module:
-        return self_draft(target, cfg.drafter.num_layers)
+
+DRAFT_MODEL = Kind(
+    "draft_model", "a draft model", "Draft model",
+    recognises=causal_lm,
+    training=DraftTraining("draft", "smollm2-135m-draft.yaml"),
+    decoding=CausalDecoding(),
+    planning=DraftPlanning(bench_overrides=("train.micro_batch_size=2", "train.max_length=256")),
+    export=Export(Family.hf, ("hf-draft",), card_tag="draft-model",
+                  llamacpp=DraftLlamaCpp("draft-simple", converts="hf-draft", reads_layer_inputs=False)),
+    conformance=DraftConformance({"draft": ["drafter.num_layers=2"]}))
+
+SELF_DRAFT = Kind(
+    "self_draft", "a self-draft", "Drafter",
+    recognises=never,
+    decoding=SelfDraftDecoding(),
+    export=NoExport("a self-draft is the target's own first layers: there is nothing to export"))

@@ -3,7 +3,8 @@ layer's feature, regressed)."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from dataclasses import dataclass
+from typing import Callable, List, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -11,7 +12,18 @@ from omegaconf import DictConfig
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import EvalVerifier
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
-from specdrafter.kinds.base import ArmSpec, Export, Family, Kind, LlamaCpp
+from specdrafter.kinds.base import (
+    ArmSpec,
+    Conformance,
+    Decoding,
+    Export,
+    Family,
+    Kind,
+    LlamaCpp,
+    NoExport,
+    Planning,
+    Training,
+)
 from specdrafter.models.eagle import (
     EAGLE1_ARCH,
     aux_order_problem,
@@ -44,11 +56,11 @@ class Eagle3LlamaCpp(LlamaCpp):
         return list(config["eagle_aux_hidden_state_layer_ids"])
 
 
-class EagleHead(Kind):
-    """What EAGLE-1 and EAGLE-3 share: one head beside the target, decoding as a chain or a dynamic tree."""
-    trainer = "eagle"
-    trees = ("dynamic",)
-    load: Callable  # (folder, dtype) → the head
+@dataclass(frozen=True)
+class EagleDecoding(Decoding):
+    """One head beside the target, decoding as a chain or a dynamic tree."""
+    load: Callable = load_eagle3  # (folder, dtype) → the head
+    trees: Tuple[str, ...] = ("dynamic",)
 
     def proposer(self, cfg, target, path):
         head = self.load(path, target.dtype).to(target.device)
@@ -57,40 +69,32 @@ class EagleHead(Kind):
             return EagleProposer(head, target)
         return EagleTreeProposer(head, target, dyn.depth, dyn.top_k, dyn.total_tokens)
 
-    def bench_arms(self, cfg: DictConfig) -> List[ArmSpec]:
+    def bench_arms(self, cfg: DictConfig, name: str) -> List[ArmSpec]:
         """The chain, the dynamic tree verified whole and auto-sized, and ASD (T = 0) on the chain."""
         inf, k = cfg.inference, cfg.inference.k
         recipe_tree = {key: inf.dynamic_tree[key] for key in DEFAULT_DYNAMIC_TREE} if inf.dynamic_tree.total_tokens else {}
         whole = {**DEFAULT_DYNAMIC_TREE, **recipe_tree, "auto_size": False}  # the recipe's dynamic tree, or the default
         auto = {**whole, **AUTO_DYNAMIC_TREE, "auto_size": True}
-        return [ArmSpec(f"{self.name}_chain", f"k={k}", EvalVerifier.chain, k=k),
-                _dynamic_arm(f"{self.name}_tree", whole), _dynamic_arm(f"{self.name}_tree_auto", auto),
-                ArmSpec(f"{self.name}_asd", f"k={k} B={inf.asd.budget:g}", EvalVerifier.asd, k=k)]
+        return [ArmSpec(f"{name}_chain", f"k={k}", EvalVerifier.chain, k=k),
+                _dynamic_arm(f"{name}_tree", whole), _dynamic_arm(f"{name}_tree_auto", auto),
+                ArmSpec(f"{name}_asd", f"k={k} B={inf.asd.budget:g}", EvalVerifier.asd, k=k)]
 
 
-class Eagle3(EagleHead):
-    name = "eagle3"
-    description = "an EAGLE-3 head"
-    title = "EAGLE-3 draft head"
-    recipe = "smollm2-135m-eagle3.yaml"
-    export = Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3",
-                    llamacpp=Eagle3LlamaCpp("draft-eagle3", converts="vllm", gguf_arch="eagle3"))
-    memory_fixes = {"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}
-    load = staticmethod(load_eagle3)
-
-    def recognises(self, config: dict) -> bool:
-        return eagle3_layout(config) is not None  # ours, and what SpecForge, the EAGLE repo and speculators write
-
+@dataclass(frozen=True)
+class Eagle3Training(Training):
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return Eagle3Drafter(cfg, target, data, tokenizer)
 
     def feature_layers(self, cfg: DictConfig, num_layers: int) -> List[int]:
         return sorted(set(cfg.drafter.eagle.aux_layer_ids or default_aux_layers(num_layers)) | {num_layers})
 
-    def planner_activations(self, act, m) -> None:
+
+@dataclass(frozen=True)
+class Eagle3Planning(Planning):
+    def activations(self, act, m) -> None:
         memory.eagle3(act, m)
 
-    def planner_checks(self, cfg, T: Shapes, config_of):
+    def checks(self, cfg, T: Shapes, config_of):
         e = cfg.drafter.eagle
         aux = list(e.aux_layer_ids) or default_aux_layers(T.layers)
         bad = [k for k in aux if not 0 <= k <= T.layers]
@@ -113,9 +117,9 @@ class Eagle3(EagleHead):
     def activation_label(self, cfg: DictConfig) -> str:
         return f", {cfg.drafter.eagle.ttt_steps} TTT steps"
 
-    def conformance_variants(self) -> Dict[str, List[str]]:
-        return {"eagle3-pruned": ["drafter.eagle.draft_vocab_size=1024"], "eagle3-full": ["drafter.eagle.draft_vocab_size=0"]}
 
+@dataclass(frozen=True)
+class Eagle3Conformance(Conformance):
     def perturb(self, module, name: str, vocab_size: int) -> None:
         """A pruned draft vocabulary that is not the first Vd ids, so that d2t / t2d must be read right."""
         if name != "eagle3-pruned":
@@ -140,22 +144,37 @@ class Eagle3(EagleHead):
                 "target_embed": target.get_input_embeddings().weight}
 
 
-class Eagle1(EagleHead):
-    name = "eagle1"
-    description = "an EAGLE-1 head"
-    title = "EAGLE-1 draft head"
-    no_export = ("vLLM and SGLang serve EAGLE-1 only in the EAGLE repo's own layout, which has no writer here; train an "
-                 "EAGLE-3 head instead")
-    load = staticmethod(load_eagle1)
-
-    def recognises(self, config: dict) -> bool:
-        return EAGLE1_ARCH in _architectures(config)
-
+@dataclass(frozen=True)
+class Eagle1Training(Training):
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return Eagle1Drafter(cfg, target, data, tokenizer)
 
-    def planner_activations(self, act, m) -> None:
+
+@dataclass(frozen=True)
+class Eagle1Planning(Planning):
+    def activations(self, act, m) -> None:
         memory.eagle1(act, m)
+
+
+EAGLE3 = Kind(
+    "eagle3", "an EAGLE-3 head", "EAGLE-3 draft head",
+    recognises=lambda config: eagle3_layout(config) is not None,  # ours, and SpecForge's, the EAGLE repo's, speculators'
+    training=Eagle3Training("eagle", "smollm2-135m-eagle3.yaml"),
+    decoding=EagleDecoding(load=load_eagle3),
+    planning=Eagle3Planning({"activations": "drafter.eagle.ttt_steps", "teacher logits": "drafter.eagle.draft_vocab_size"}),
+    export=Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3",
+                  llamacpp=Eagle3LlamaCpp("draft-eagle3", converts="vllm", gguf_arch="eagle3")),
+    conformance=Eagle3Conformance({"eagle3-pruned": ["drafter.eagle.draft_vocab_size=1024"],
+                                   "eagle3-full": ["drafter.eagle.draft_vocab_size=0"]}))
+
+EAGLE1 = Kind(
+    "eagle1", "an EAGLE-1 head", "EAGLE-1 draft head",
+    recognises=lambda config: EAGLE1_ARCH in _architectures(config),
+    training=Eagle1Training("eagle"),
+    decoding=EagleDecoding(load=load_eagle1),
+    planning=Eagle1Planning(),
+    export=NoExport("vLLM and SGLang serve EAGLE-1 only in the EAGLE repo's own layout, which has no writer here; train "
+                    "an EAGLE-3 head instead"))
 
 
 def _dynamic_arm(name: str, tree: dict) -> ArmSpec:

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import DrafterKind, Recipe
+from specdrafter.core.recipe import Recipe
 from specdrafter.jobs.train import lr_schedule, param_groups
 from specdrafter.models.block import DFLASH, DSPARK, VARIANTS
 from specdrafter.train.batches import Batch
@@ -30,7 +30,7 @@ def target():
 
 def recipe(variant: str, **block):
     cfg = OmegaConf.structured(Recipe)
-    cfg.drafter.kind = DrafterKind(variant)
+    cfg.drafter.kind = variant
     settings = dict(num_layers=1, block_size=4, aux_layer_ids=[1, 3], mask_token_id=V - 1, anchors=6, markov_rank=4)
     settings.update(block)
     for key, value in settings.items():

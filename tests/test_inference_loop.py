@@ -195,7 +195,7 @@ def test_one_decode_checks_its_recipe_once_and_its_drafter_folder_once(tmp_path,
     """A recipe is checked where it is loaded and trusted after; the drafter folder is verified (its files read and
     hashed) once, before the target loads — not again by each layer it passes through."""
     import specdrafter.kinds as kinds
-    from specdrafter.kinds.draft import DraftModel
+    from specdrafter.kinds.base import Kind
 
     sharp_target(tmp_path / "target", smollm2_tokenizer)
     torch.manual_seed(3)
@@ -207,7 +207,7 @@ def test_one_decode_checks_its_recipe_once_and_its_drafter_folder_once(tmp_path,
             calls[name] += 1
             return function(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(DraftModel, "check_recipe", counted("check_recipe", DraftModel.check_recipe))
+    monkeypatch.setattr(Kind, "check_recipe", counted("check_recipe", Kind.check_recipe))
     monkeypatch.setattr(kinds, "check_model_folder", counted("check_model_folder", kinds.check_model_folder))
     cfg = load_recipe(GENERATE_RECIPE, [f"target.model={tmp_path / 'target'}", "drafter.kind=draft_model",
                                         f"drafter.path={tmp_path / 'draft'}", "inference.k=3", "inference.max_new_tokens=4",

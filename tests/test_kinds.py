@@ -2,6 +2,7 @@
 outside kinds/ decides anything by a kind's name."""
 
 import ast
+import dataclasses
 import importlib
 import types
 from collections.abc import Mapping
@@ -9,9 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from specdrafter.core.recipe import DrafterKind
+import specdrafter.core.recipe as schema
+from specdrafter.core.recipe import RecipeError
 from specdrafter.export.formats import FORMATS, WRITERS
+from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, kind_of_config
+from specdrafter.kinds.base import Kind
+from specdrafter.recipes import RECIPES_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "data", "eval", "export", "engines", "inference", "jobs", "models", "train", "launch", "benchmarks")
@@ -27,17 +32,34 @@ EXPORTS = {  # --format → the kinds it exports
 }
 
 
-def test_schema_and_table_agree():
-    assert {k.value for k in DrafterKind} == NAMES
+def test_the_table_is_the_one_registration_of_a_kind():
+    """KINDS registers a kind; the schema names none (no enum of kind names to keep in step): drafter.kind is checked
+    against the table where a recipe is loaded, one line listing the table's names."""
     assert all(kind.name == name for name, kind in KINDS.items())
+    assert schema.DrafterConfig().kind in KINDS
+    enums = [e for e in vars(schema).values() if isinstance(e, type) and issubclass(e, schema.Enum) and e is not schema.Enum]
+    assert enums and not [e.__name__ for e in enums if len({m.value for m in e} & NAMES) >= 2]
+    with pytest.raises(RecipeError, match=r"recipe key 'drafter.kind': Invalid value 'eagle9', expected one of "
+                                          r"\[eagle3, eagle1, medusa, dflash, dspark, draft_model, self_draft\]"):
+        load_recipe(RECIPES_DIR / "smollm2-135m-eagle3.yaml", ["drafter.kind=eagle9"])
+
+
+def test_a_kind_holds_its_names_and_one_record_per_concern():
+    """name, description, title and how its folder is recognised on the kind; everything a job asks in the record of
+    the job's concern (kinds/base.py)."""
+    assert [f.name for f in dataclasses.fields(Kind)] == ["name", "description", "title", "recognises", "decoding",
+                                                         "export", "training", "planning", "conformance"]
+    for kind in KINDS.values():  # the planner plans what trains; the conformance run exports what a recipe trains
+        assert (kind.planning is None) == (kind.training is None), kind.name
+        assert kind.conformance is None or (kind.training and kind.training.recipe and kind.export.formats), kind.name
 
 
 def test_every_trainable_kind_has_its_launcher_and_recipe():
     for kind in KINDS.values():
-        if kind.trainable:
-            assert (REPO / "launch" / kind.launcher).is_file(), kind.name
-        if kind.recipe:
-            assert (REPO / "recipes" / kind.recipe).is_file(), kind.name
+        if kind.training:
+            assert (REPO / "launch" / kind.training.launcher).is_file(), kind.name
+            if kind.training.recipe:
+                assert (REPO / "recipes" / kind.training.recipe).is_file(), kind.name
 
 
 def test_every_format_has_a_writer_for_each_of_its_kinds():
@@ -52,8 +74,8 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
         assert all((k.export.llamacpp.converts if fmt == "gguf" else fmt) in WRITERS[k.export.family].formats
                    for k in kinds), fmt
     for name, kind in KINDS.items():  # and from the kind's side: each of its formats lists it, none other does
-        assert {fmt for fmt, names in EXPORTS.items() if name in names} == set(kind.formats), name
-    assert not KINDS["eagle1"].formats and not KINDS["self_draft"].formats  # no engine serves these as they are
+        assert {fmt for fmt, names in EXPORTS.items() if name in names} == set(kind.export.formats), name
+    assert not KINDS["eagle1"].export.formats and not KINDS["self_draft"].export.formats  # no engine serves these as they are
 
 
 @pytest.mark.parametrize("config, name", [
@@ -150,8 +172,6 @@ def test_no_module_outside_the_kinds_table_holds_a_table_of_kind_names():
     for package in ("core", "data", "eval", "export", "engines", "inference", "jobs", "models", "train"):  # kinds/: the table
         for path in sorted((REPO / package).rglob("*.py")):
             name = "specdrafter." + ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-            if name == "specdrafter.core.recipe":  # the schema's DrafterKind
-                continue
             offenders += [t for t in tables_of_kind_names(importlib.import_module(name))
                           if t.split(":")[0] not in ALLOWED_TABLES]
             scanned += 1
@@ -160,7 +180,7 @@ def test_no_module_outside_the_kinds_table_holds_a_table_of_kind_names():
 
 
 # ------------------------------------------------------------------------- llama.cpp's names for the kinds
-ENGINE_RECORDS = [k.export.llamacpp for k in KINDS.values() if k.export and k.export.llamacpp]
+ENGINE_RECORDS = [k.export.llamacpp for k in KINDS.values() if k.export.llamacpp]
 SPEC_TYPES = {r.spec_type for r in ENGINE_RECORDS}  # llama-server's --spec-type of each kind it serves
 GGUF_ARCHS = {r.gguf_arch for r in ENGINE_RECORDS if r.gguf_arch}  # general.architecture of their GGUFs
 

@@ -163,7 +163,7 @@ def test_the_hf_draft_export_loads_back_identically(tmp_path, target4, smollm2_t
     out = export(ckpt, "hf-draft", tmp_path / "hf-draft")
     assert kind_of_config(config_of(out)) is KINDS["draft_model"]
     served = recipe("draft_model", target_dir, tmp_path / "run", f"drafter.path={out}")
-    loaded = kind_of(served).assistant_model(served, target, drafter_path(served))
+    loaded = kind_of(served).decoding.assistant_model(served, target, drafter_path(served))
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     ids = torch.tensor([[1, 9690, 198, 504, 3287, 314]])

@@ -79,10 +79,10 @@ def test_eagle3_saved_bytes_per_token_and_ttt_step(precision):
         f"drafter.eagle.ttt_steps={steps}", f"train.precision={precision}", f"train.micro_batch_size={B}",
         f"train.max_length={L}", "train.features=online"])
     kind = kind_of(cfg)
-    drafter = kind.drafter(cfg, target)
+    drafter = kind.training.drafter(cfg, target)
     module = drafter.module.to(torch.bfloat16 if precision == "bf16" else torch.float32)  # DeepSpeed's bf16 cast
     dtype = next(module.parameters()).dtype
-    features = {k: torch.randn(B, L, d).to(dtype) for k in kind.feature_layers(cfg, 4)}  # run_target's, [B, L, d]
+    features = {k: torch.randn(B, L, d).to(dtype) for k in kind.training.feature_layers(cfg, 4)}  # run_target's, [B, L, d]
     ids = torch.randint(0, 512, (B, L))
     rows = torch.ones(B, L, dtype=torch.bool).nonzero(as_tuple=True)  # every position counted
 
@@ -117,7 +117,7 @@ def test_block_drafter_saved_bytes(precision, variant, anchors, block_size, laye
         "drafter.block.aux_layer_ids=[2,3,4]", f"drafter.block.anchors={anchors}",
         f"drafter.block.draft_vocab_size={draft_vocab}", "drafter.block.markov_rank=16", "inference.k=3"])
     kind = kind_of(cfg)
-    module = kind.drafter(cfg, target).module.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    module = kind.training.drafter(cfg, target).module.to(torch.bfloat16 if precision == "bf16" else torch.float32)
     dtype = next(module.parameters()).dtype
     context = torch.randn(B, max_length, 3 * d).to(dtype)  # the concatenated features: the plan counts them too
     ids = torch.randint(0, 500, (B, max_length))

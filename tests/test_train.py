@@ -327,7 +327,7 @@ def test_saved_drafter_reloads_through_the_inference_module(tmp_path, kind, extr
     with torch.no_grad():
         if kind == "draft_model":
             # a plain causal LM: LoRA merged into the weights
-            reloaded = kind_of(served).assistant_model(served, target, drafter_path(served))
+            reloaded = kind_of(served).decoding.assistant_model(served, target, drafter_path(served))
             torch.testing.assert_close(reloaded(ids).logits, drafter.module(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         else:
             proposer = build_proposer(served, target)
@@ -429,7 +429,7 @@ def test_trained_drafter_reloads_with_the_logged_acceptance_and_decodes_like_the
     cfg = recipe(kind, out, peaky_target, data_dir, *extra)
     served = recipe(kind, out, peaky_target, data_dir, *extra, f"drafter.path={final_drafter(out)}")
     if kind == "draft_model":
-        module = kind_of(served).assistant_model(served, target, drafter_path(served))
+        module = kind_of(served).decoding.assistant_model(served, target, drafter_path(served))
     else:
         proposer = build_proposer(served, target)
         module = proposer.heads if kind == "medusa" else proposer.head

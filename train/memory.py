@@ -181,7 +181,7 @@ class MemoryInputs:
 
 
 def activations(cfg: DictConfig, tconf, c: Counts, s: Setup, kind) -> Activations:
-    """One micro-step's activation bytes of `kind` (kinds/: feature_layers, planner_activations)."""
+    """One micro-step's activation bytes of `kind` (kinds/: its training's feature_layers, its planning's activations)."""
     t = cfg.train
     T = Shapes.of(tconf)
     bf16, amp = precision(cfg, s.device)
@@ -190,7 +190,7 @@ def activations(cfg: DictConfig, tconf, c: Counts, s: Setup, kind) -> Activation
     w = 2 if bf16 else 4  # bytes of the drafter's weights (and of the features handed to it)
     N, bt = m.N, m.bt
     act = Activations(batch=24 * N, features=8 * N)
-    per_layer = len(kind.feature_layers(cfg, T.layers)) * N * T.hidden
+    per_layer = len(kind.training.feature_layers(cfg, T.layers)) * N * T.hidden
     if t.features.value == "offline":
         hid = dtype_bytes(cfg.data.hidden_states.dtype.value)
         act.batch += per_layer * hid
@@ -200,7 +200,7 @@ def activations(cfg: DictConfig, tconf, c: Counts, s: Setup, kind) -> Activation
         act.teacher_peak = (per_layer * bt if w != bt else 0) + target_forward_bytes(N, T, bt)
     if amp:  # autocast's bf16 copies of the drafter's weights, saved for the backward
         act.saved += 2 * c.trainable
-    kind.planner_activations(act, m)
+    kind.planning.activations(act, m)
     return act
 
 
