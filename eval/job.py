@@ -96,6 +96,7 @@ from specdrafter.inference.autotune import (
     time_passes,
 )
 from specdrafter.inference.decoder import build_decoder
+from specdrafter.jobs.recipe import target_args
 from specdrafter.kinds import kind_of
 
 log = logging.getLogger("specdrafter")
@@ -263,8 +264,7 @@ def run_eval(cfg: DictConfig) -> Path:
     save_recipe(cfg, out)
     results = Results(out, cfg)
     verifiers = [v.value for v in e.verifiers]
-    target, tokenizer = load_target(cfg.target.model, cfg.target.dtype.value, cfg.target.device,
-                                    cfg.target.untested_architecture, cfg.target.chat_template_kwargs)
+    target, tokenizer = load_target(**target_args(cfg))
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     check_room(cfg, sets, prompts, target.config.max_position_embeddings)  # before any pass: one line, nothing lost
     eos = eos_token_ids(target, tokenizer)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import List
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specdrafter.core.recipe import RecipeError, read_yaml
 from specdrafter.core.recipe_checks import typed_recipe
@@ -32,3 +32,11 @@ def checked_recipe(tree: DictConfig, overrides: List[str] = ()) -> DictConfig:
     cfg = typed_recipe(tree, overrides)
     check_recipe(cfg)
     return cfg
+
+
+def target_args(cfg: DictConfig) -> dict:
+    """data/assets.py:load_target's arguments from the recipe's target section, as plain values (what loads the target
+    reads no recipe): `load_target(**target_args(cfg))`."""
+    t = cfg.target
+    return {"name": t.model, "dtype": t.dtype.value, "device": t.device, "untested_architecture": t.untested_architecture,
+            "chat_template_kwargs": OmegaConf.to_container(t.chat_template_kwargs)}
