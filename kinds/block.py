@@ -88,12 +88,12 @@ class BlockEngines:
     speculators_since: str  # the first speculators release with the model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockExport(Export):
     """A block drafter's export: its `variant` (models/block.py: the class names, whether the anchor slot drafts and
     the DSpark heads exist) and what the engines call it; export/block.py reads these, never the kind."""
-    variant: Variant = DFLASH
-    engines: BlockEngines = None
+    variant: Variant
+    engines: BlockEngines
 
     def drafts_per_block(self, block_size: int) -> int:
         """γ of a block of `block_size` slots: DFlash's anchor slot drafts nothing, DSpark's does (label shift).
@@ -110,9 +110,9 @@ def drafts(variant: Variant, cfg: DictConfig) -> int:
     return drafts_per_block(variant, cfg.drafter.block.block_size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockTraining(Training):
-    variant: Variant = DFLASH
+    variant: Variant
 
     def drafter(self, cfg, target, data=None, tokenizer=None):
         return BlockTrainingDrafter(cfg, target, self.variant, data, tokenizer)
@@ -130,9 +130,9 @@ class BlockTraining(Training):
                               f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockDecoding(Decoding):
-    variant: Variant = DFLASH
+    variant: Variant
     trees: Tuple[str, ...] = ()
 
     def proposer(self, cfg, target, path):
@@ -163,9 +163,9 @@ class BlockDecoding(Decoding):
                               f"(drafter.block.block_size={b.block_size})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockPlanning(Planning):
-    variant: Variant = DFLASH
+    variant: Variant
     memory_fixes: Dict[str, str] = field(default_factory=lambda: {
         "activations": "drafter.block.anchors", "teacher logits": "drafter.block.draft_vocab_size"})
     bench_overrides: Tuple[str, ...] = ("train.micro_batch_size=1", "train.max_length=256", "drafter.block.anchors=8")

@@ -56,10 +56,10 @@ class Eagle3LlamaCpp(LlamaCpp):
         return list(config["eagle_aux_hidden_state_layer_ids"])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EagleDecoding(Decoding):
     """One head beside the target, decoding as a chain or a dynamic tree."""
-    load: Callable = load_eagle3  # (folder, dtype) → the head
+    load: Callable  # (folder, dtype) → the head
     trees: Tuple[str, ...] = ("dynamic",)
 
     def proposer(self, cfg, target, path):
