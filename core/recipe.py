@@ -302,7 +302,9 @@ class DrafterConfig:
     run: Optional[str] = None
     # self_draft, and a draft model initialised from the target's first num_layers layers
     num_layers: int = checked(6, AT_LEAST_ONE)
-    layers: List[int] = checked([], NON_NEGATIVE)  # draft model: which target layers to copy instead, e.g. [0, 1, 28, 29]
+    # draft model: which target layers to copy instead, e.g. [0, 1, 28, 29]; with drafter.path, which of that
+    # model's layers to keep (e.g. [0, 1]: a 2-layer cut of a smaller model of the target's family)
+    layers: List[int] = checked([], NON_NEGATIVE)
     lora: LoraConfig = field(default_factory=LoraConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)

@@ -112,6 +112,8 @@ class DraftPlanning(Planning):
         dr = cfg.drafter
         if dr.path:
             dconf = config_of(dr.path)
+            if dr.layers:  # cut to those of its layers
+                dconf.num_hidden_layers = len(dr.layers)
             module = AutoModelForCausalLM.from_config(dconf).to(torch.float32)
             if dr.lora.r > 0:
                 module = get_peft_model(module, LoraConfig(r=dr.lora.r, lora_alpha=dr.lora.alpha, task_type="CAUSAL_LM",
@@ -132,6 +134,9 @@ class DraftPlanning(Planning):
                      f"recipe keys 'drafter.layers' / 'drafter.num_layers': the draft copies 1..{T.layers} of the "
                      f"target's layers 0..{T.layers - 1}, got {layers}")]
         D = Shapes.of(config_of(dr.path))
+        bad = [j for j in dr.layers if not 0 <= j < D.layers]
+        if bad:
+            return [(False, f"recipe key 'drafter.layers': {dr.path!r} has layers 0..{D.layers - 1}, got {bad[0]}")]
         ok = D.vocab == T.vocab and (not D.positions or cfg.train.max_length <= D.positions)
         return [(ok, f"draft vocabulary {D.vocab} = {T.vocab}, max_length within its {D.positions} positions" if ok else
                  f"recipe key 'drafter.path': {dr.path!r} has {D.vocab} tokens and {D.positions} positions; "

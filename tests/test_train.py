@@ -20,7 +20,7 @@ import torch
 from conftest import tiny_llama_config
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import specdrafter.jobs.train as train_loop
 from specdrafter.core.io import SpecdrafterError
@@ -47,6 +47,7 @@ from specdrafter.models.eagle import Eagle1Head, Eagle3Head, eagle3_config, load
 from specdrafter.train.batches import Batch, TrainingData
 from specdrafter.train.drafters import run_target
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test, ttt_mask
+from specdrafter.train.memory import Shapes
 from specdrafter.train.objectives import Objective
 
 REPO = Path(__file__).resolve().parents[1]
@@ -761,6 +762,24 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path, peaky_target, d
     cfg = recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={draft}")
     with pytest.raises(SpecdrafterError, match="has another tokenizer than the target"):
         build_drafter(cfg, target, tokenizer=smollm2_tokenizer)
+
+
+def test_a_draft_model_folder_is_cut_to_the_layers_named(tmp_path, peaky_target, data_dir, target, smollm2_tokenizer):
+    """drafter.path with drafter.layers: that model's embeddings, the named layers in order, norm and head (the
+    Qwen2.5-Coder recipes cut the stock 0.5B draft this way); a layer it lacks is refused by the plan's check."""
+    source = AutoModelForCausalLM.from_pretrained(peaky_target)
+    cfg = recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={peaky_target}",
+                 "drafter.layers=[2,0]")
+    module = build_drafter(cfg, target, tokenizer=smollm2_tokenizer).module
+    assert module.config.num_hidden_layers == 2
+    cut, whole = module.state_dict(), source.state_dict()
+    assert torch.equal(cut["model.layers.0.mlp.up_proj.weight"], whole["model.layers.2.mlp.up_proj.weight"])
+    assert torch.equal(cut["model.layers.1.self_attn.q_proj.weight"], whole["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(cut["model.embed_tokens.weight"], whole["model.embed_tokens.weight"])
+    checks = kind_of(cfg).planning.checks(
+        recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={peaky_target}",
+               "drafter.layers=[0,9]"), Shapes.of(source.config), AutoConfig.from_pretrained)
+    assert checks == [(False, f"recipe key 'drafter.layers': {str(peaky_target)!r} has layers 0..3, got 9")]
 
 
 def test_data_from_another_target_is_refused(tmp_path, peaky_target, data_dir):

@@ -185,6 +185,8 @@ class DraftModelDrafter:
             if tokenizer is not None and draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise SpecdrafterError(f"draft model {dr.path!r} has another tokenizer than the target: token ids would "
                                        "not mean the same text")
+            if dr.layers:  # cut to those of its layers (a smaller model of the target's family, e.g. its first two)
+                module = draft_model_from_target(module, list(dr.layers))
         else:  # layers within the target's (kinds/draft.py: planner_checks)
             module = draft_model_from_target(target, list(dr.layers) or list(range(dr.num_layers)))
         self.lora = None
