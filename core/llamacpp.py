@@ -110,6 +110,19 @@ def installed() -> bool:
         and all(binary_path(b).is_file() for b in BINARIES)
 
 
+def amx_repack_crashes() -> bool:
+    """Whether llama.cpp's weights must not be repacked for this CPU. On a CPU with AMX (Intel Xeon since Sapphire
+    Rapids) the native build repacks quantised weights for its AMX kernels, and 11434's AMX matmul crashes on the
+    K-quant GGUFs users serve (SIGSEGV in ggml_backend_amx_mul_mat at the first pass of Qwen2.5-Coder's Q4_K_M file):
+    such a CPU runs them unrepacked (llama-server --no-repack, llama-bench --repack 0). float32 targets never took
+    that path."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_int8" in flags.split()
+
+
 def binary_path(name: str) -> Path:
     return build_dir() / "bin" / name
 

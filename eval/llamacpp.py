@@ -72,7 +72,7 @@ def measure_v(target: Path, sizes: Sequence[int], threads: int = 1, rounds: int 
 
 def _bench(target: Path, n: int, threads: int, depth: int) -> List[float]:
     cmd = [str(llamacpp.binary("llama-bench")), "-m", str(target), "-p", str(n), "-n", "0", "-d", str(depth),
-           "-r", "1", "-t", str(threads), "-o", "json"]
+           "-r", "1", "-t", str(threads), "-o", "json", *(["--repack", "0"] if llamacpp.amx_repack_crashes() else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

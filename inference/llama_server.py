@@ -80,6 +80,8 @@ class LlamaServer:
         """llama-server's arguments (without the binary's path)."""
         args = ["-m", str(self.model), "--port", str(self.port), "-t", str(self.threads), "-c", str(self.context),
                 "--parallel", str(self.parallel), "--no-webui"]
+        if llamacpp.amx_repack_crashes():
+            args.append("--no-repack")
         if self.draft is not None:
             args += ["-md", str(self.draft), "--spec-type", self.spec_type]
             if self.n_max is not None:

@@ -170,3 +170,8 @@ def test_the_built_binaries_run():
     bench = subprocess.run([str(llamacpp.binary("llama-bench")), "--help"], capture_output=True, text=True, timeout=60)
     assert bench.returncode == 0 and "usage" in (bench.stdout + bench.stderr).lower()
     assert build.install(log=lambda _: pytest.fail("a rerun prints nothing")) == llamacpp.home()
+    # the flags an AMX CPU gets (core/llamacpp.py:amx_repack_crashes) are the binaries' own: a misspelt one exits 1
+    for program, flags, last in (("llama-server", ["--no-repack"], "--version"), ("llama-bench", ["--repack", "0"], "--help")):
+        for args, code in ((flags, 0), ([flags[0] + "x", *flags[1:]], 1)):
+            done = subprocess.run([str(llamacpp.binary(program)), *args, last], capture_output=True, timeout=60)
+            assert done.returncode == code, (program, args)
