@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO
-from transformers import Qwen3NextConfig
+from transformers import Qwen2Config, Qwen3NextConfig
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.jobs.plan import GIB, Setup, make_plan, meta_counts, model_states, preflight, target_config
@@ -304,3 +304,16 @@ def test_a_bf16_target_too_big_for_the_gpu_says_so_rather_than_suggesting_bf16()
     assert "biggest term target weights" in bf16 and "already at 2 bytes a weight: use GPUs with more memory" in bf16
     fp32 = " ".join(failures(plan_of(LLAMA8B, *overrides, "target.dtype=float32")))
     assert "change target.dtype=bfloat16" in fp32
+
+
+def test_a_gguf_target_is_planned_from_its_converted_folder_or_named_to_fetch(tmp_path, monkeypatch):
+    """qwen2.5-coder-1.5b-instruct, a built-in GGUF target, is read from its converted folder in the cache; before
+    it is converted the planner says what to run, in one line."""
+    monkeypatch.setenv("SPECDRAFTER_CACHE", str(tmp_path))
+    with pytest.raises(SpecdrafterError, match=r"^the built-in target 'qwen2.5-coder-1.5b-instruct' is not converted "
+                                               r"yet: run python launch/fetch_assets.py qwen2.5-coder-1.5b-instruct$"):
+        target_config("qwen2.5-coder-1.5b-instruct")
+    folder = tmp_path / "models" / "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M"
+    folder.mkdir(parents=True)
+    Qwen2Config(hidden_size=64, num_hidden_layers=3).save_pretrained(folder)
+    assert target_config("qwen2.5-coder-1.5b-instruct").num_hidden_layers == 3

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError, publish_dir, temp_dir_beside
 from specdrafter.core.weights import check_model_folder, write_config_and_weights
+from specdrafter.data.assets import resolve_target
 from specdrafter.models.eagle import (
     Eagle1Head,
     Eagle3Head,
@@ -172,14 +173,15 @@ class DraftModelDrafter:
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
         dr = cfg.drafter
         if dr.path:
-            if Path(dr.path).expanduser().is_dir():  # a local folder: damaged weights are one line naming the file
-                check_model_folder(Path(dr.path).expanduser(), "draft model")
+            path = resolve_target(dr.path)  # a built-in model's name (qwen2.5-coder-0.5b-instruct) → its folder
+            if Path(path).expanduser().is_dir():  # a local folder: damaged weights are one line naming the file
+                check_model_folder(Path(path).expanduser(), "draft model")
             try:
-                module = AutoModelForCausalLM.from_pretrained(dr.path, dtype=MASTER_DTYPE)
+                module = AutoModelForCausalLM.from_pretrained(path, dtype=MASTER_DTYPE)
             except (OSError, ValueError) as e:
                 raise SpecdrafterError(f"could not load draft model {dr.path!r}: {str(e).splitlines()[0]}") from None
             try:
-                draft_tokenizer = AutoTokenizer.from_pretrained(dr.path)
+                draft_tokenizer = AutoTokenizer.from_pretrained(path)
             except (OSError, ValueError, TypeError):
                 draft_tokenizer = None  # a weights-only folder: only the vocabulary size can be compared
             if tokenizer is not None and draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():

@@ -10,6 +10,7 @@ from typing import Optional
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import BUILTIN_TARGETS
 from specdrafter.data.assets import SMOLLM2_DIR, cache_dir
+from specdrafter.data.gguf_assets import GGUF_TARGETS
 from specdrafter.recipes import RECIPES_DIR
 
 TARGETS_DIR = RECIPES_DIR / "targets"
@@ -30,10 +31,11 @@ def target_config(name: str):
 
 
 def _config_path(name: str) -> Optional[Path]:
-    if name in BUILTIN_TARGETS:
-        folder = cache_dir() / "models" / SMOLLM2_DIR
+    if name in BUILTIN_TARGETS or name in GGUF_TARGETS:
+        folder = cache_dir() / "models" / (GGUF_TARGETS[name].folder if name in GGUF_TARGETS else SMOLLM2_DIR)
         if not (folder / "config.json").is_file():
-            raise SpecdrafterError(f"the built-in target {name!r} is not converted yet: run python launch/fetch_assets.py")
+            raise SpecdrafterError(f"the built-in target {name!r} is not converted yet: run python launch/fetch_assets.py"
+                                   f"{' ' + name if name in GGUF_TARGETS else ''}")
         return folder
     local = Path(name).expanduser()
     if (local / "config.json").is_file():
