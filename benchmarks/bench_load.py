@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalL
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.data.assets import ensure_smollm2, load_prompt_set, resolve_target
 from specdrafter.data.chat import user_prompt_ids
-from specdrafter.eval.job import run_eval
+from specdrafter.engines.evaluate import evaluate
 from specdrafter.jobs.decode import decode_file
 from specdrafter.jobs.recipe import load_recipe
 
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
         stale.unlink()
     start = time.perf_counter()
     try:
-        run_eval(eval_recipe(out / "prompts.jsonl"))
+        evaluate(eval_recipe(out / "prompts.jsonl"))
         report["eval_refusal"] = "not refused"
     except SpecdrafterError as e:
         report["eval_refusal"] = {"error": str(e), "after_s": round(time.perf_counter() - start, 1)}
@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     sampler.start()
     try:
-        run_eval(cfg)
+        evaluate(cfg)
         report["eval"] = {"wall_s": round(time.perf_counter() - start, 1)}
     except SpecdrafterError as e:  # e.g. a prompt at the context limit the job cannot take: report it
         report["eval"] = {"error": str(e), "wall_s": round(time.perf_counter() - start, 1)}

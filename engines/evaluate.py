@@ -19,18 +19,23 @@ from typing import List, Optional
 
 from omegaconf import DictConfig
 
-from specdrafter.core.recipe import EvalEngine
-from specdrafter.engines.llamacpp_eval import prepare, run_arm
-from specdrafter.eval.job import run_eval
+from specdrafter.core.recipe import EvalEngine, save_recipe
+from specdrafter.engines.llamacpp_eval import check_served, prepare, run_arm
+from specdrafter.eval.job import eval_job, run_eval
 from specdrafter.jobs.cli import cli
 
 
 def evaluate(cfg: DictConfig) -> Path:
-    """Every engine of eval.engines: llama.cpp's arm prepared first, the loop's cells, then the arm."""
+    """Every engine of eval.engines: the recipe read once for all (eval/job.py:eval_job), llama.cpp's arm prepared
+    first, the recipe saved in the evaluation folder, the loop's cells, then the arm. Returns the evaluation folder."""
     engines = set(cfg.eval.engines)
-    arm = prepare(cfg) if EvalEngine.llamacpp in engines else None
-    out = run_eval(cfg) if EvalEngine.loop in engines else None
-    return run_arm(cfg, *arm) if arm is not None else out
+    if EvalEngine.llamacpp in engines:
+        check_served(cfg)
+    job = eval_job(cfg)
+    arm = prepare(cfg, job) if EvalEngine.llamacpp in engines else None
+    save_recipe(cfg, job.out)
+    out = run_eval(cfg, job) if EvalEngine.loop in engines else None
+    return run_arm(cfg, job, *arm) if arm is not None else out
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -42,7 +42,7 @@ from specdrafter.core.recipe import EvalEngine
 from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
 from specdrafter.engines.serve import Drafter, gguf_pair, has_confidence, plan
 from specdrafter.eval.acceptance import speedup_of
-from specdrafter.eval.job import Results, default_output_dir, find_run_checkpoints, load_sets
+from specdrafter.eval.job import EvalJob, Results
 from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
 from specdrafter.export.source import target_of
@@ -52,14 +52,18 @@ log = logging.getLogger("specdrafter")
 ENGINE = EvalEngine.llamacpp.value
 
 
-def prepare(cfg: DictConfig):
-    """(the newest checkpoint, its drafter as GGUF, the target as GGUF), checked as a pair; one line if llama.cpp
-    cannot serve the recipe's drafter."""
+def check_served(cfg: DictConfig) -> None:
+    """One line if llama.cpp serves no drafter of the recipe's kind: before anything else is read."""
     kind = kind_of(cfg)
     if kind.export.llamacpp is None:
         raise SpecdrafterError(f"recipe key 'eval.engines': llama.cpp serves no {kind.description} (it has EAGLE-3, "
                                "DFlash, DSpark and draft models); remove llama.cpp from eval.engines")
-    newest = find_run_checkpoints(cfg)[-1]
+
+
+def prepare(cfg: DictConfig, job: EvalJob):
+    """(the newest checkpoint of `job` (eval/job.py:eval_job), its drafter as GGUF, the target as GGUF), checked as a
+    pair (check_served first)."""
+    newest = job.checkpoints[-1]
     folder = target_of(cfg).folder
     if folder is None:
         raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
@@ -71,20 +75,19 @@ def prepare(cfg: DictConfig):
     return newest, drafter, target
 
 
-def run_arm(cfg: DictConfig, newest, drafter: Drafter, target: Path) -> Path:
+def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Path) -> Path:
     """Every llama.cpp cell not yet in results.json; the report rebuilt after each. Returns the evaluation folder."""
-    e, threads = cfg.eval, cfg.eval.llamacpp.threads
-    out = default_output_dir(cfg, [newest])
-    out.mkdir(parents=True, exist_ok=True)
-    results = Results(out, cfg)
+    e, threads, out = cfg.eval, cfg.eval.llamacpp.threads, job.out
+    results = Results(out, job.header)
     cal = plan(drafter, target, threads)
     choice = cal.choose()
     arm = results.data.setdefault("llamacpp", {"cells": []})
     arm.update(threads=threads, outtype=e.llamacpp.outtype.value, target_gguf=target.name,
                drafter_gguf=str(drafter.gguf), spec_type=drafter.spec_type, max_k=drafter.max_k,
                calibration=cal.to_json(), choice=asdict(choice))
-    tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder), cfg.target.chat_template_kwargs)
-    sets = load_sets(e)
+    tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder),
+                                     job.target["chat_template_kwargs"])
+    sets = job.sets
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k,
                        choice.p_min, list(e.llamacpp.p_min_sweep))

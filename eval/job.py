@@ -75,7 +75,7 @@ from specdrafter.core.io import (
     json_digest,
     move_aside,
 )
-from specdrafter.core.recipe import ASDConfig, EvalVerifier, save_recipe
+from specdrafter.core.recipe import ASDConfig, EvalVerifier
 from specdrafter.core.recipe_checks import as_chain
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.chat import eos_token_ids, user_prompt_ids
@@ -150,6 +150,31 @@ def settings(cfg: DictConfig) -> dict:
             "target": cfg.target.model, "repeats": e.repeats}
 
 
+def results_header(cfg: DictConfig) -> dict:
+    """results.json's "target", "drafter" and "settings": a rerun with others is refused (Results)."""
+    return {"target": cfg.target.model, "drafter": cfg.drafter.kind, "settings": settings(cfg)}
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What the eval job reads from its recipe, once, whatever engines measure (engines/evaluate.py:evaluate hands it
+    to each): nothing is written, no model loads."""
+
+    checkpoints: List[Checkpoint]  # oldest first (find_run_checkpoints)
+    sets: Dict[str, List[dict]]  # prompt set name → its first eval.num_prompts records
+    out: Path  # the evaluation folder (eval.output_dir, or beside the run)
+    header: dict  # results_header
+    target: dict  # data/assets.py:load_target's arguments (jobs/recipe.py:target_args)
+
+
+def eval_job(cfg: DictConfig) -> EvalJob:
+    """The recipe read for the eval job; bad input (a missing checkpoint, an empty prompt set) is refused here, before
+    any model loads."""
+    checkpoints = find_run_checkpoints(cfg)
+    sets = load_sets(cfg.eval)
+    return EvalJob(checkpoints, sets, default_output_dir(cfg, checkpoints), results_header(cfg), target_args(cfg))
+
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -196,10 +221,10 @@ class Cell:
 class Results:
     """results.json, written atomically after every cell."""
 
-    def __init__(self, folder: Path, cfg: DictConfig):
+    def __init__(self, folder: Path, header: dict):
+        """`header`: results_header of the recipe."""
         self.folder, self.path = folder, folder / "results.json"
-        fresh = {"schema": 1, "target": cfg.target.model, "drafter": cfg.drafter.kind, "settings": settings(cfg),
-                 "machine": {}, "baselines": {}, "cells": []}
+        fresh = {"schema": 1, **header, "machine": {}, "baselines": {}, "cells": []}
         self.data = self._read() if self.path.is_file() else None
         if self.data is not None:
             saved = self.data.get("settings", {})
@@ -239,13 +264,22 @@ class Results:
 
 
 @dataclass(frozen=True)
+class Drafting:
+    """A checkpoint's proposer (inference/proposers.py) and the recipe it was built from: as a chain for the chain
+    cells (core/recipe_checks.py:as_chain), as it is for the tree cells."""
+
+    recipe: DictConfig
+    proposer: object
+
+
+@dataclass(frozen=True)
 class CellContext:
     """What a cell is decoded with and measured against: shared by every cell of a checkpoint and prompt set, except
     `step_s`, the target step timed just before the cell."""
 
     target: torch.nn.Module  # the model that verifies (the target, or a Medusa-2 checkpoint's backbone)
-    chain: object  # the chain proposer (inference/proposers.py)
-    tree: object  # the tree proposer, or None
+    chain: Drafting  # the chain cells'
+    tree: Optional[Drafting]  # the tree cells', or None
     prompts: List[List[int]]  # the set's prompt ids
     eos: List[int]
     tokenizer: object
@@ -254,17 +288,14 @@ class CellContext:
     out: Path  # the evaluation folder
 
 
-def run_eval(cfg: DictConfig) -> Path:
-    """Evaluate every cell not yet in results.json; write results.json, report.md and the plots. Returns the folder."""
-    e = cfg.eval
-    checkpoints = find_run_checkpoints(cfg)  # bad input is refused before any model loads
-    sets = load_sets(e)
-    out = default_output_dir(cfg, checkpoints)
+def run_eval(cfg: DictConfig, job: EvalJob) -> Path:
+    """Evaluate every cell not yet in results.json; write results.json, report.md and the plots. Returns the folder.
+    `job`: eval_job(cfg) (the eval job's entry, engines/evaluate.py, reads it and saves the recipe)."""
+    e, checkpoints, sets, out = cfg.eval, job.checkpoints, job.sets, job.out
     (out / "outputs").mkdir(parents=True, exist_ok=True)
-    save_recipe(cfg, out)
-    results = Results(out, cfg)
+    results = Results(out, job.header)
     verifiers = [v.value for v in e.verifiers]
-    target, tokenizer = load_target(**target_args(cfg))
+    target, tokenizer = load_target(**job.target)
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     check_room(cfg, sets, prompts, target.config.max_position_embeddings)  # before any pass: one line, nothing lost
     eos = eos_token_ids(target, tokenizer)
@@ -429,20 +460,22 @@ def _plan(cfg: DictConfig, checkpoints: List[Checkpoint], sets: List[str], verif
 
 
 def _proposers(cfg: DictConfig, ckpt: Checkpoint, target, verifiers: List[str]):
-    """(the model to verify with, the chain proposer, the tree proposer or None) for one checkpoint. A Medusa-2
+    """(the model to verify with, the chain cells' Drafting, the tree cells' or None) for one checkpoint. A Medusa-2
     checkpoint brings its fine-tuned backbone, which is what it serves."""
     c = cfg.copy()
     path = c.drafter.path = str(ckpt.drafter) if ckpt.drafter else None
     decoding = kind_of(c).decoding
     serving = decoding.serving_target(ckpt.drafter, target)
-    tree = decoding.proposer(c, serving, path) if {"tree", "typical"} & set(verifiers) else None
-    return serving, decoding.proposer(as_chain(c), serving, path), tree
+    tree = Drafting(c, decoding.proposer(c, serving, path)) if {"tree", "typical"} & set(verifiers) else None
+    chain = as_chain(c)
+    return serving, Drafting(chain, decoding.proposer(chain, serving, path)), tree
 
 
-def cell_decoding(cfg: DictConfig, cell: Cell) -> DictConfig:
-    """The inference section a cell decodes with: its temperature, verifier, k and ASD setting, eval.max_new_tokens."""
-    inf = (as_chain(cfg) if cell.is_chain else cfg).inference.copy()
-    inf.temperature, inf.max_new_tokens = cell.temperature, cfg.eval.max_new_tokens
+def cell_decoding(drafting: Drafting, cell: Cell) -> DictConfig:
+    """The inference section a cell decodes with: its proposer's (`drafting`: the chain's for a chain cell) with its
+    temperature, verifier, k and ASD setting, eval.max_new_tokens."""
+    inf = drafting.recipe.inference.copy()
+    inf.temperature, inf.max_new_tokens = cell.temperature, drafting.recipe.eval.max_new_tokens
     inf.verifier = EvalVerifier(cell.verifier).rule
     if cell.is_chain:
         inf.k = cell.k
@@ -495,8 +528,8 @@ def _run_cell(cfg: DictConfig, cell: Cell, context: CellContext, beside: Optiona
     # One decoder for the whole cell: its tuners (k = auto, an auto-sized tree; fresh per cell, acceptance differs with
     # T) start from the v(n) the job measured (their own calibration would be timed here).
     costs = replace(context.machine, step_s=context.step_s)
-    proposer = context.chain if cell.is_chain else context.tree
-    decoder = build_decoder(cell_decoding(cfg, cell), context.target, proposer, context.eos, costs,
+    drafting = context.chain if cell.is_chain else context.tree
+    decoder = build_decoder(cell_decoding(drafting, cell), context.target, drafting.proposer, context.eos, costs,
                             record_tv=verifier == "chain")
     cycles, rows, seconds, regret = [], [], 0.0, 0.0
     for i, prompt in enumerate(prompts):

@@ -17,7 +17,7 @@ from specdrafter.core.io import SpecdrafterError, write_checkpoint_state
 from specdrafter.core.weights import check_model_folder
 from specdrafter.data.assets import load_prompt_set, load_target
 from specdrafter.data.shards import load_generated, write_shard
-from specdrafter.eval.job import Results, find_run_checkpoints
+from specdrafter.eval.job import Results, find_run_checkpoints, results_header
 from specdrafter.export.formats import find_source
 from specdrafter.jobs.recipe import load_recipe
 from specdrafter.kinds import KINDS, check_drafter_folder
@@ -233,15 +233,15 @@ def test_a_damaged_shard_of_the_training_data_is_named(tmp_path, how):
 @pytest.mark.parametrize("how", ["truncate", "zero", "bitflip-value"])
 def test_a_damaged_results_json_is_moved_aside_and_the_evaluation_starts_afresh(tmp_path, caplog, how):
     cfg = load_recipe(REPO / "recipes" / "smollm2-135m-eagle3.yaml", ["output_dir=x"])
-    results = Results(tmp_path, cfg)
+    results = Results(tmp_path, results_header(cfg))
     results.add({"id": "cell-1", "tau": 2.5, "outputs": "outputs/cell-1.jsonl"})
-    assert Results(tmp_path, cfg).data["cells"][0]["tau"] == 2.5  # its own checksum matches
+    assert Results(tmp_path, results_header(cfg)).data["cells"][0]["tau"] == 2.5  # its own checksum matches
     if how == "bitflip-value":  # still valid JSON, another number: only the checksum knows
         (tmp_path / "results.json").write_text((tmp_path / "results.json").read_text().replace("2.5", "3.5"))
     else:
         damage(tmp_path / "results.json", how)
     with caplog.at_level("WARNING", logger="specdrafter"):
-        assert Results(tmp_path, cfg).data["cells"] == []
+        assert Results(tmp_path, results_header(cfg)).data["cells"] == []
     assert (tmp_path / "results.json.damaged").is_file()
     assert any("results.json is damaged" in r.message and "moved aside" in r.message for r in caplog.records)
 

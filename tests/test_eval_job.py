@@ -17,7 +17,8 @@ import specdrafter.eval.job as eval_job
 from specdrafter.core.io import SpecdrafterError, json_digest
 from specdrafter.core.recipe import RecipeError
 from specdrafter.data.assets import load_prompt_set
-from specdrafter.eval.job import answer_accuracy, final_number, run_eval
+from specdrafter.engines.evaluate import evaluate
+from specdrafter.eval.job import answer_accuracy, final_number
 from specdrafter.inference.decode import speculative_generate
 from specdrafter.inference.proposers import DraftModelProposer
 from specdrafter.inference.sampling import SamplingParams
@@ -83,20 +84,20 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
         return real(*args, **kwargs)
     monkeypatch.setattr(eval_job, "_run_cell", crash_after_three)
     with pytest.raises(KeyboardInterrupt):
-        run_eval(cfg)
+        evaluate(cfg)
     first = json.loads((out / "results.json").read_text())
     assert [c["id"] for c in first["cells"]] == calls  # every finished cell is on disk
 
     calls.clear()
     monkeypatch.setattr(eval_job, "_run_cell", lambda *a, **k: (calls.append(a[1].id), real(*a, **k))[1])
-    run_eval(cfg)
+    evaluate(cfg)
     data = json.loads((out / "results.json").read_text())
     ids = [c["id"] for c in data["cells"]]
     # 2 checkpoints × 2 sets × 2 temperatures × chain, + k sweep {1, 2, auto} + per set: ASD × 2 settings (strict exists)
     assert len(ids) == len(set(ids)) == 8 + 3 + 4
     assert not set(calls) & set(c["id"] for c in first["cells"])  # the rerun skipped the finished cells
     assert data["cells"][:3] == first["cells"]  # ... and left them untouched
-    run_eval(cfg)  # nothing left: no cell runs
+    evaluate(cfg)  # nothing left: no cell runs
     assert len(calls) == 15 - 3
 
     assert data["schema"] == 1 and data["drafter"] == "draft_model"
@@ -150,7 +151,7 @@ def test_job_writes_results_report_and_plots_and_resumes(tmp_path, tiny_target, 
 def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_path, tiny_target, run_dir, caplog):
     out = tmp_path / "eval"
     with caplog.at_level("INFO", logger="specdrafter"):
-        run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.wandb=true",
+        evaluate(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.wandb=true",
                              "eval.verifiers=[chain]", "eval.k_sweep=[]", f"eval.checkpoint={run_dir}/checkpoints/step-000002"))
     data = json.loads((out / "results.json").read_text())
     assert [c["id"] for c in data["cells"]] == ["step-000002|mtbench|T=0.0|chain|k=3"]
@@ -161,12 +162,12 @@ def test_one_checkpoint_logged_to_wandb_offline_and_other_settings_refused(tmp_p
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     with pytest.raises(SpecdrafterError, match="max_new_tokens"):
-        run_eval(eval_recipe(tiny_target, run_dir, out, "eval.max_new_tokens=9"))
+        evaluate(eval_recipe(tiny_target, run_dir, out, "eval.max_new_tokens=9"))
 
 
 def test_tree_cells_measure_the_tree_pass(tmp_path, tiny_target, run_dir):
     out = tmp_path / "eval"
-    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[tree]",
+    evaluate(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[tree]",
                          "eval.k_sweep=[]", "inference.tree=[[0],[1],[0,0]]",
                          f"eval.checkpoint={run_dir}/checkpoints/step-000004"))
     data = json.loads((out / "results.json").read_text())
@@ -186,8 +187,8 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
     args = ("eval.sets=[mtbench]", "eval.temperatures=[0,1]", "eval.verifiers=[chain]", "eval.k_sweep=[]",
             f"eval.checkpoint={run_dir}/checkpoints/step-000004")
     once, thrice = tmp_path / "once", tmp_path / "thrice"
-    run_eval(eval_recipe(tiny_target, run_dir, once, *args))
-    run_eval(eval_recipe(tiny_target, run_dir, thrice, *args, "eval.repeats=3"))
+    evaluate(eval_recipe(tiny_target, run_dir, once, *args))
+    evaluate(eval_recipe(tiny_target, run_dir, thrice, *args, "eval.repeats=3"))
     single = {c["id"]: c for c in json.loads((once / "results.json").read_text())["cells"]}
     tokens = lambda folder, row: [json.loads(line)["tokens"] for line in (folder / row["outputs"]).open()]  # noqa: E731
     data = json.loads((thrice / "results.json").read_text())
@@ -211,12 +212,12 @@ def test_repeats_measure_each_cell_side_by_side_with_its_own_baseline(tmp_path, 
     del old["sha256"], old["settings"]["repeats"]  # as written before eval.repeats existed
     (once / "results.json").write_text(json.dumps({**old, "sha256": json_digest(old)}))
     with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):
-        run_eval(eval_recipe(tiny_target, run_dir, once, *args))
+        evaluate(eval_recipe(tiny_target, run_dir, once, *args))
     subprocess.run([sys.executable, str(REPO / "docs" / "results" / "migrate_result_keys.py"), str(once)], check=True)
-    run_eval(eval_recipe(tiny_target, run_dir, once, *args))  # resumes: nothing to do
+    evaluate(eval_recipe(tiny_target, run_dir, once, *args))  # resumes: nothing to do
     assert json.loads((once / "results.json").read_text())["cells"] == list(single.values())  # not re-measured
     with pytest.raises(SpecdrafterError, match=r"other settings \(repeats\)"):
-        run_eval(eval_recipe(tiny_target, run_dir, once, *args, "eval.repeats=2"))
+        evaluate(eval_recipe(tiny_target, run_dir, once, *args, "eval.repeats=2"))
     with pytest.raises(RecipeError, match="'eval.repeats' must be >= 1, got 0"):
         eval_recipe(tiny_target, run_dir, once, *args, "eval.repeats=0")
 
@@ -225,7 +226,7 @@ def test_auto_sized_dynamic_tree_cells(tmp_path, tiny_target, run_dir):
     """A dynamic tree sized every cycle: v(n) measured on the tuner's grid, the mean size reported, and the
     prediction priced at the sizes actually verified (between the cheapest and the whole tree)."""
     out = tmp_path / "eval"
-    run_eval(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.verifiers=[tree]",
+    evaluate(eval_recipe(tiny_target, run_dir, out, "eval.sets=[mtbench]", "eval.temperatures=[0]", "eval.verifiers=[tree]",
                          "eval.k_sweep=[]", "inference.dynamic_tree.total_tokens=10", "inference.dynamic_tree.depth=3",
                          "inference.dynamic_tree.top_k=3", f"eval.checkpoint={run_dir}/checkpoints/step-000004"))
     data = json.loads((out / "results.json").read_text())
@@ -326,22 +327,22 @@ def test_prompt_sets_from_a_datasets_folder_and_chat_rows(tmp_path):
 # ------------------------------------------------------------------------------------------------ bad input
 def test_bad_input_one_line_each(tmp_path, tiny_target, run_dir):
     with pytest.raises(SpecdrafterError, match="does not exist"):
-        run_eval(eval_recipe(tiny_target, run_dir, tmp_path, f"eval.checkpoint={tmp_path / 'nope'}"))
+        evaluate(eval_recipe(tiny_target, run_dir, tmp_path, f"eval.checkpoint={tmp_path / 'nope'}"))
     with pytest.raises(RecipeError, match="eval.sets.*'mmlu'"):
         eval_recipe(tiny_target, run_dir, tmp_path, "eval.sets=[mmlu]")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(SpecdrafterError, match="is empty"):
-        run_eval(eval_recipe(tiny_target, run_dir, tmp_path, f"eval.sets=[{empty}]"))
+        evaluate(eval_recipe(tiny_target, run_dir, tmp_path, f"eval.sets=[{empty}]"))
     with pytest.raises(SpecdrafterError, match="holds a draft_model drafter.*eagle3"):
-        run_eval(eval_recipe(tiny_target, run_dir, tmp_path, "drafter.kind=eagle3"))
+        evaluate(eval_recipe(tiny_target, run_dir, tmp_path, "drafter.kind=eagle3"))
     with pytest.raises(RecipeError, match="tree needs inference.tree"):
         eval_recipe(tiny_target, run_dir, tmp_path, "eval.verifiers=[tree]")
     long = tmp_path / "long.jsonl"  # 490 + 8 new tokens + a block of 3 fit in 512; the k sweep's largest does too
     long.write_text(json.dumps({"id": "fits", "prompt": "word " * 470}) + "\n"
                     + json.dumps({"id": "too-long", "prompt": "word " * 520}) + "\n")
     with pytest.raises(SpecdrafterError, match="prompt 'too-long' of eval set 'long' has .* context of 512 tokens"):
-        run_eval(eval_recipe(tiny_target, run_dir, tmp_path / "long-eval", f"eval.sets=[{long}]"))
+        evaluate(eval_recipe(tiny_target, run_dir, tmp_path / "long-eval", f"eval.sets=[{long}]"))
     assert not (tmp_path / "long-eval" / "results.json").exists() or not json.loads(
         (tmp_path / "long-eval" / "results.json").read_text())["cells"]  # refused before any pass
     done = subprocess.run([sys.executable, "launch/eval_acceptance.py", "recipes/smollm2-135m-draft.yaml",
@@ -369,7 +370,7 @@ def block_run(runs: Path, tiny_target: str, variant: str, **extra) -> Path:
         f"eval.output_dir={out}", "eval.sets=[mtbench]", "eval.num_prompts=1", "eval.max_new_tokens=8",
         "eval.temperatures=[0,1]", "eval.k_sweep=[2]", "eval.repeats=1", "inference.k=3",
         "drafter.block.block_size=4", "drafter.block.aux_layer_ids=[1]"])
-    run_eval(cfg)
+    evaluate(cfg)
     return folder
 
 

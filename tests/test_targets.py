@@ -33,7 +33,8 @@ from specdrafter.data.assets import load_target
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.data.regenerate import generate_dataset
 from specdrafter.data.shards import load_generated
-from specdrafter.eval.job import load_sets, run_eval
+from specdrafter.engines.evaluate import evaluate
+from specdrafter.eval.job import load_sets
 from specdrafter.export.engines import check_engine_target
 from specdrafter.export.formats import export
 from specdrafter.inference.block import BlockProposer
@@ -372,7 +373,7 @@ def test_each_architecture_runs_the_data_job_trains_exports_and_decodes_exactly(
         f"output_dir={tmp_path / 'eagle3'}", f"target.model={folder}", *TINY, f"eval.checkpoint={tmp_path / 'eagle3'}",
         f"eval.output_dir={tmp_path / 'eval'}", "eval.sets=[mtbench]", "eval.num_prompts=2", "eval.max_new_tokens=8",
         "eval.temperatures=[0]", "eval.verifiers=[chain]", "eval.k_sweep=[]", "eval.repeats=1"])
-    out = run_eval(cfg)
+    out = evaluate(cfg)
     (cell,) = json.loads((out / "results.json").read_text())["cells"]
     assert 0 <= cell["alpha"] <= 1 and cell["tau"] >= 1
     answers = [json.loads(line)["tokens"] for line in (out / cell["outputs"]).read_text().splitlines()]
