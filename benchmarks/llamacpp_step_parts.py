@@ -1,7 +1,7 @@
 """Where a speculative step's time goes in llama-server with a draft model (`--spec-type draft-simple`).
 
-    python benchmarks/llamacpp_step_parts.py TARGET.gguf DRAFT.gguf [--threads 2] [--k 1 2 4] [--prompts 4]
-        [--tokens 64] [--poll 50]
+    python benchmarks/llamacpp_step_parts.py TARGET.gguf DRAFT.gguf --target-dir HF_DIR [--threads 2] [--k 1 2 4]
+        [--prompts 4] [--tokens 64] [--poll 50] [--patched PATCHED_LLAMA_SERVER]
 
 For each n_max k the server decodes HumanEval prompts at T = 0 with every step drafting k tokens (p_min 0), and one
 measured step is split into what llama.cpp's source says it does (docs/llamacpp.md, "What a draft model's step costs
@@ -14,6 +14,9 @@ in llama-server"):
     rest       the measured step minus the three
 
 and the target alone is timed in the same server build (ms per token), so each step is also given in target steps.
+With --patched (a llama-server built with benchmarks/llamacpp_patches/keep-draft-kv.patch by
+benchmarks/llamacpp_patches/build.sh), each k is also run on that build with LLAMA_SPEC_KEEP_DRAFT_KV=1: the draft
+keeps what it drafted and decodes only the verify batch's last token again; its tokens must equal the pinned build's.
 Run it on a quiet machine, one process at a time: llama.cpp's threads spin.
 """
 
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--poll", type=int, default=None, help="llama-server --poll and --poll-draft (default: its own)")
+    parser.add_argument("--patched", type=Path, help="a llama-server built with keep-draft-kv.patch")
     args = parser.parse_args()
     poll = [] if args.poll is None else ["--poll", str(args.poll), "--poll-draft", str(min(args.poll, 1))]
     prompts = prompts_of(args.target_dir, args.prompts)
@@ -64,18 +68,27 @@ def main() -> None:
           f"{c1:.1f} ms; threads {args.threads}, poll {'default' if args.poll is None else args.poll}")
     print(f"{'k':>2} {'step ms':>8} {'= target steps':>14} {'verify':>7} {'drafting':>9} {'(k·c1)':>7} {'re-eval':>8} "
           f"{'rest':>6} {'accepted/step':>14}")
+    builds = [("pinned", None, None)] + ([("patched", args.patched, {"LLAMA_SPEC_KEEP_DRAFT_KV": "1"})]
+                                         if args.patched else [])
     for k in args.k:
         verify, reeval = bench_ms(args.target, k + 1, args.threads), bench_ms(args.draft, k + 1, args.threads)
-        with LlamaServer(args.target, args.draft, "draft-simple", n_max=k, p_min=0.0, threads=args.threads,
-                         extra=["-lv", "4", *poll]) as server:
-            runs = [answer(server, p, args.tokens, ignore_eos=True) for p in prompts]
-            timers = DRAFT_TIMER.findall(settled_log(server, len(prompts)))
-        steps = sum(a.steps for a in runs)
-        step = sum(a.ms for a in runs) / steps
-        drafting = float(timers[-1][1]) / steps if timers else float("nan")  # cumulative over the server's life
-        rest = step - verify - drafting - reeval
-        print(f"{k:>2} {step:8.1f} {step / target_ms:14.2f} {verify:7.1f} {drafting:9.1f} {k * c1:7.1f} {reeval:8.1f} "
-              f"{rest:6.1f} {sum(a.accepted for a in runs) / steps:14.2f}")
+        tokens = {}
+        for build, binary, env in builds:
+            with LlamaServer(args.target, args.draft, "draft-simple", n_max=k, p_min=0.0, threads=args.threads,
+                             extra=["-lv", "4", *poll], binary=binary, env=env) as server:
+                runs = [answer(server, p, args.tokens, ignore_eos=True) for p in prompts]
+                timers = DRAFT_TIMER.findall(settled_log(server, len(prompts)))
+            tokens[build] = [a.tokens for a in runs]
+            steps = sum(a.steps for a in runs)
+            step = sum(a.ms for a in runs) / steps
+            drafting = float(timers[-1][1]) / steps if timers else float("nan")  # cumulative over the server's life
+            redo = reeval if build == "pinned" else float("nan")  # the patched draft decodes one token there
+            rest = step - verify - drafting - (reeval if build == "pinned" else 0.0)
+            print(f"{k:>2} {step:8.1f} {step / target_ms:14.2f} {verify:7.1f} {drafting:9.1f} {k * c1:7.1f} "
+                  f"{redo:8.1f} {rest:6.1f} {sum(a.accepted for a in runs) / steps:14.2f}  {build}")
+        if args.patched:
+            same = sum(a == b for a, b in zip(tokens["pinned"], tokens["patched"]))
+            print(f"   T = 0 tokens of the patched build equal the pinned build's on {same}/{len(prompts)} prompts")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,16 @@ class LlamaServer:
 
     def __init__(self, model: Path, draft: Optional[Path] = None, spec_type: Optional[str] = None,
                  n_max: Optional[int] = None, p_min: Optional[float] = None, threads: int = 1, context: int = 4096,
-                 port: Optional[int] = None, parallel: int = 1, extra: Sequence[str] = (), startup_s: float = 120.0):
+                 port: Optional[int] = None, parallel: int = 1, extra: Sequence[str] = (), startup_s: float = 120.0,
+                 binary: Optional[Path] = None, env: Optional[Dict[str, str]] = None):
         if (draft is None) != (spec_type is None):
             raise SpecdrafterError("a drafter GGUF needs its --spec-type, and a --spec-type its drafter GGUF")
         self.model, self.draft, self.spec_type, self.n_max, self.p_min = Path(model), draft, spec_type, n_max, p_min
         self.threads, self.context, self.parallel, self.extra, self.startup_s = threads, context, parallel, extra, startup_s
         self.port = port
+        # another llama-server build (a patched one, benchmarks/llamacpp_patches/) and variables added to its
+        # environment; None: the installed build, this process's environment
+        self.binary, self.env = binary, env
         self.process: Optional[subprocess.Popen] = None
         self.log = None
 
@@ -106,11 +110,12 @@ class LlamaServer:
             self.port = free_port()
         elif port_in_use(self.port):
             raise SpecdrafterError(f"port {self.port} is in use (another server?): choose another with --port")
-        binary = llamacpp.binary("llama-server")
+        binary = self.binary or llamacpp.binary("llama-server")
         _stop_on_signals()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen([str(binary), *self.command()], stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_dies_with_this_thread())
+                                        stdin=subprocess.DEVNULL, preexec_fn=_dies_with_this_thread(),
+                                        env={**os.environ, **self.env} if self.env else None)
         _RUNNING[self.process.pid] = self
         try:
             self._wait_ready()

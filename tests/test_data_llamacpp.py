@@ -250,3 +250,15 @@ def test_llama_servers_ids_are_read_from_its_verbose_field(tokens, content, expe
                "__verbose": {"tokens": tokens, "stop_type": "eos", "prompt": "..."}}
     reply = parse_reply(payload)
     assert reply.token_ids == expected and reply.content == content and reply.prompt_tokens == 7
+
+
+@needs_llamacpp
+def test_another_llama_server_build_and_its_environment_are_used_when_given(target_gguf, tmp_path):
+    """LlamaServer(binary=, env=): the benchmarks run a patched build beside the pinned one, with its switch set."""
+    copy = tmp_path / "llama-server-copy"
+    copy.write_bytes(llamacpp.binary("llama-server").read_bytes())
+    copy.chmod(0o755)
+    with LlamaServer(target_gguf, threads=1, binary=copy, env={"SPECDRAFTER_PROBE": "1"}) as running:
+        pid = running.process.pid
+        assert Path(f"/proc/{pid}/exe").resolve() == copy.resolve()
+        assert b"SPECDRAFTER_PROBE=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
