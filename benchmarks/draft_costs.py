@@ -1,0 +1,80 @@
+"""What a draft model cut from a smaller model of the target's family costs in llama.cpp, by depth and GGUF type.
+
+    python benchmarks/draft_costs.py TARGET.gguf --draft-dir HF_DIR [--layers 2 4 8] [--types q8_0 f16]
+        [--stock DRAFT.gguf] [--threads 2] [--out runs/draft-costs]
+
+Each cut keeps the draft's embeddings, its first n layers, final norm and head (train/drafters.py:
+draft_model_from_target, as `drafter.layers` does in training), is converted by llama.cpp's converter at each type,
+and timed by llama-bench beside the target: one pass over 1 token (c₁, what a drafted token costs) and over 2, 3 and
+5 tokens (what llama-server's re-evaluation of a k + 1-token verify batch costs the draft: docs/llamacpp.md), at a
+depth of 128 cached tokens, in milliseconds and in target steps (the target's own one-token pass). Untrained cuts:
+the cost does not depend on the weights. Run it on a quiet machine, one process at a time.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdrafter.core import llamacpp
+from specdrafter.core.io import SpecdrafterError, publish_dir, temp_dir_beside
+from specdrafter.eval.llamacpp import _bench
+from specdrafter.train.drafters import draft_model_from_target
+
+DEPTH = 128
+SIZES = (1, 2, 3, 5)
+
+
+def cut_gguf(draft_dir: Path, layers: int, outtype: str, out: Path) -> Path:
+    """The draft cut to its first `layers` layers, as a GGUF of `outtype` (made once under `out`)."""
+    gguf = out / f"cut{layers}-{outtype}.gguf"
+    if gguf.is_file():
+        return gguf
+    folder = out / f"cut{layers}"
+    if not (folder / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+        stage = temp_dir_beside(folder)
+        draft_model_from_target(model, list(range(layers))).save_pretrained(stage)
+        AutoTokenizer.from_pretrained(draft_dir).save_pretrained(stage)
+        publish_dir(stage, folder)
+    tmp = gguf.with_suffix(".tmp")
+    llamacpp.convert(folder, tmp, outtype=outtype)
+    tmp.replace(gguf)
+    return gguf
+
+
+def pass_ms(gguf: Path, n: int, threads: int, rounds: int = 3) -> float:
+    return 1e3 * statistics.median(t for _ in range(rounds) for t in _bench(gguf, n, threads, DEPTH))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("target", type=Path)
+    parser.add_argument("--draft-dir", type=Path, required=True, help="the smaller model's HF folder")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--types", nargs="+", default=["q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
+    parser.add_argument("--stock", type=Path, help="the whole draft's own GGUF, timed beside the cuts")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs/draft-costs"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    drafts = [(f"{n} layers, {t}", cut_gguf(args.draft_dir, n, t, args.out)) for n in args.layers for t in args.types]
+    if args.stock:
+        drafts.append((f"stock ({args.stock.name})", args.stock))
+    target = pass_ms(args.target, 1, args.threads)
+    print(f"target {args.target.name}: {target:.1f} ms per one-token pass; threads {args.threads}, depth {DEPTH}")
+    print(f"{'draft':40s} " + " ".join(f"{f'ms({n})':>8}" for n in SIZES) + " " +
+          " ".join(f"{f'c({n})':>6}" for n in SIZES))
+    for name, gguf in drafts:
+        ms = [pass_ms(gguf, n, args.threads) for n in SIZES]
+        print(f"{name:40s} " + " ".join(f"{m:8.1f}" for m in ms) + " " + " ".join(f"{m / target:6.3f}" for m in ms))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SpecdrafterError as e:
+        sys.exit(f"error: {e}")
