@@ -246,6 +246,13 @@ class EagleConfig:
     # Biases on the head's q/k/v/o projections; null = the target's attention_bias (gpt-oss: true). llama.cpp's
     # EAGLE-3 layer has none: false for a head that is to be served there.
     attention_bias: Optional[bool] = None
+    # EAGLE-3.1 (docs/algorithms.md §EAGLE-3.1), the engines' config keys: `fc_norm` an RMSNorm on each captured target
+    # layer before fc (the paper's; vLLM, SGLang), `norm_output` the post-norm hidden state fed back between draft
+    # steps; `norm_before_fc` one RMSNorm over the three layers concatenated instead (speculators' gpt-oss heads, the
+    # only one llama.cpp serves). fc_norm and norm_before_fc exclude each other.
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
 
 
 class BlockLength(Enum):
@@ -305,6 +312,9 @@ class DrafterConfig:
     # draft model: which target layers to copy instead, e.g. [0, 1, 28, 29]; with drafter.path, which of that
     # model's layers to keep (e.g. [0, 1]: a 2-layer cut of a smaller model of the target's family)
     layers: List[int] = checked([], NON_NEGATIVE)
+    # draft model: a residual width below its source's (the target's layers or drafter.path's model), initialised by
+    # projecting that model onto its leading principal directions (train/narrow.py); None: the source's width
+    hidden_size: Optional[int] = checked(None, AT_LEAST_ONE)
     lora: LoraConfig = field(default_factory=LoraConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)

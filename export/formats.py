@@ -68,7 +68,7 @@ from specdrafter.export.source import (
 )
 from specdrafter.kinds import KINDS, Kind
 from specdrafter.kinds.base import Family
-from specdrafter.models.eagle import check_aux_order, load_eagle3
+from specdrafter.models.eagle import EAGLE31_FLAGS, check_aux_order, eagle31_flags, load_eagle3
 from specdrafter.models.medusa import load_medusa
 
 _ALL_FORMATS = dict.fromkeys(f for k in KINDS.values() for f in k.export.formats)  # in the order the kinds name them
@@ -240,7 +240,8 @@ def write_eagle3(src: Source, folder: Path, target: Target, fmt: str) -> None:
     written = sglang_ids(ids, target) if fmt == "sglang" else ids
     layer, weights = draft_layer_config(raw), engine_weights(src.drafter, raw)
     eagle = {"draft_vocab_size": raw["draft_vocab_size"], "target_hidden_size": raw.get("target_hidden_size")
-             or raw["hidden_size"], "norm_before_residual": False}
+             or raw["hidden_size"], "norm_before_residual": False,
+             **eagle31_flags(raw)}  # EAGLE-3.1: top-level fc_norm / norm_output / norm_before_fc, as every engine reads
     if fmt == "speculators":
         config = speculators_config(src, target, layer, eagle, ids)
         weights = {re.sub(r"^midlayer\.", "layers.0.", name): t for name, t in weights.items()}
@@ -312,7 +313,7 @@ def draft_layer_config(raw: dict) -> dict:
     `rope_scaling`) spelled out beside transformers 5's `rope_parameters`, since engines read either — a
     missing rope_theta would silently fall back to 10000."""
     drop = {"architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual",
-            "eagle_aux_hidden_state_layer_ids", "_name_or_path"}
+            "eagle_aux_hidden_state_layer_ids", "_name_or_path", *EAGLE31_FLAGS}
     layer = with_rope_keys({k: v for k, v in raw.items() if k not in drop}, raw)
     return {**layer, "model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}
 

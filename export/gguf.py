@@ -7,7 +7,8 @@ defaults without a word, so two checks stand around it:
 - before: an EAGLE-3 folder must carry its aux ids at the top level (`eagle_aux_hidden_state_layer_ids`), the only key
   the converter reads; without it the head would be served on the default layers [2, L // 2, L − 3];
 - after: the GGUF's `target_layers` (llama.cpp names layer inputs, as we do) must be the layers the drafter was
-  trained on, and a pruned draft vocabulary must arrive whole (its d2t, as absolute target ids).
+  trained on, and a pruned draft vocabulary must arrive whole (its d2t, as absolute target ids); each of the
+  folder's norm flags the converter copies (CONVERTED_FLAGS: EAGLE-3.1's norm_before_fc) must read back as written.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ if TYPE_CHECKING:  # annotations only
 
 DRAFT_FILE = "draft.gguf"
 OUTTYPE = "f32"  # the drafter's weights are trained in fp32; f32 keeps the exported logits ours
+# config.json keys the converter copies into `<arch>.<key>` (conversion/llama.py), which change the graph it builds
+CONVERTED_FLAGS = ("norm_before_fc", "norm_before_residual")
 # gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes
 READ_BACK = """
 import json, sys
@@ -95,6 +98,11 @@ def check_gguf(path: Path, layers: List[int] | None, config: dict) -> None:
     if layers is not None and found["target_layers"] != layers:
         raise SpecdrafterError(f"llama.cpp's converter wrote target layers {found['target_layers']}, but the drafter "
                                f"was trained on {layers}: not served as trained")
+    for key in (key for key in CONVERTED_FLAGS if key in config):
+        written = found["fields"].get(f"{found['arch']}.{key}")
+        if written != config[key]:
+            raise SpecdrafterError(f"llama.cpp's converter wrote {found['arch']}.{key} = {written}, but the drafter's "
+                                   f"config.json says {key}: {json.dumps(config[key])}: not served as trained")
     vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
     if draft_vocab and vocab and draft_vocab < vocab:
         d2t = [shape for name, shape in found["tensors"].items() if name.endswith("d2t")]

@@ -1,5 +1,7 @@
 """EAGLE heads: EAGLE-3 (three fused target layers, training-time test, pruned vocabulary) and EAGLE-1 (the last
-layer's feature, regressed)."""
+layer's feature, regressed). EAGLE-3.1 is EAGLE-3 with config flags (drafter.eagle.fc_norm, norm_output,
+norm_before_fc; models/eagle.py:EAGLE31_FLAGS), as every engine and trainer treats it: the same kind, architecture
+and --spec-type, the flags in the folder's config.json."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.core.recipe import EvalVerifier
+from specdrafter.core.recipe import EvalVerifier, RecipeError
 from specdrafter.inference.eagle import EagleProposer, EagleTreeProposer
 from specdrafter.kinds.base import (
     ArmSpec,
@@ -26,9 +28,11 @@ from specdrafter.kinds.base import (
 )
 from specdrafter.models.eagle import (
     EAGLE1_ARCH,
+    EAGLE31_FLAGS,
     aux_order_problem,
     default_aux_layers,
     eagle3_layout,
+    eagle31_flags,
     load_eagle1,
     load_eagle3,
 )
@@ -48,6 +52,12 @@ class Eagle3LlamaCpp(LlamaCpp):
             raise SpecdrafterError("--format gguf: this EAGLE-3 head has attention biases (attention_bias true, as its "
                                    "target has), and llama.cpp's EAGLE-3 layer has none: train the head with "
                                    "drafter.eagle.attention_bias=false to serve it in llama.cpp")
+        unserved = [key for key in ("fc_norm", "norm_output") if config.get(key) is True]
+        if unserved:  # src/models/eagle3.cpp: an input_norm over the concatenation, the pre-norm state fed back
+            raise SpecdrafterError(f"--format gguf: this EAGLE-3.1 head has {' and '.join(unserved)}, and llama.cpp "
+                                   "11434's EAGLE-3 graph has neither (it reads norm_before_fc, one RMSNorm over the "
+                                   "concatenated features, and feeds the pre-norm state back): serve it in vLLM or "
+                                   "SGLang, or train with drafter.eagle.norm_before_fc=true and norm_output=false")
         if not config.get("eagle_aux_hidden_state_layer_ids"):  # the only key its converter reads
             raise SpecdrafterError("the EAGLE-3 folder has no top-level eagle_aux_hidden_state_layer_ids: llama.cpp's "
                                    "converter would serve the head on its default layers")
@@ -61,9 +71,26 @@ class EagleDecoding(Decoding):
     """One head beside the target, decoding as a chain or a dynamic tree."""
     load: Callable  # (folder, dtype) → the head
     trees: Tuple[str, ...] = ("dynamic",)
+    eagle31: bool = True  # the head takes EAGLE-3.1's flags (drafter.eagle.fc_norm, norm_output, norm_before_fc)
+
+    def check_recipe(self, cfg: DictConfig, description: str) -> None:
+        e, asked = cfg.drafter.eagle, [key for key in EAGLE31_FLAGS if cfg.drafter.eagle[key]]
+        if asked and not self.eagle31:
+            raise RecipeError(f"recipe key 'drafter.eagle.{asked[0]}': EAGLE-3.1's norms are an EAGLE-3 head's "
+                              f"(drafter.kind=eagle3); {description} has none")
+        if e.fc_norm and e.norm_before_fc:
+            raise RecipeError("recipe keys 'drafter.eagle.fc_norm' and 'drafter.eagle.norm_before_fc' exclude each "
+                              "other (a norm per aux layer, or one over the three concatenated): set one")
 
     def proposer(self, cfg, target, path):
         head = self.load(path, target.dtype).to(target.device)
+        has = eagle31_flags(head.config)
+        asked = [key for key in EAGLE31_FLAGS if cfg.drafter.eagle[key] and not has.get(key)]
+        if asked:  # the recipe expects EAGLE-3.1 of a folder trained without it: it would decode another head
+            raise SpecdrafterError(f"recipe key 'drafter.eagle.{asked[0]}' asks for EAGLE-3.1's {asked[0]}, but the "
+                                   f"head in {str(path)!r} was trained without it (its config.json has no "
+                                   f"{asked[0]}: true): evaluate it with drafter.eagle.{asked[0]}=false, or train one "
+                                   "with it")
         dyn = cfg.inference.dynamic_tree
         if not dyn.total_tokens:
             return EagleProposer(head, target)
@@ -136,7 +163,7 @@ class Eagle3Conformance(Conformance):
         t = 4
         feats = torch.cat([hidden_states[k][:, t:t + 1] for k in module.aux_layer_ids], -1)  # [1, 1, 3·d_t]
         embeds = target.get_input_embeddings()(ids[:, t + 1:t + 2])
-        hidden, _ = module(module.fc(feats), embeds, torch.tensor([[t]]))
+        hidden, _ = module(module.fuse_concatenated(feats), embeds, torch.tensor([[t]]))  # EAGLE-3.1's norms too
         draft = module.logits(hidden)[0]  # [1, Vd]
         full = torch.full((1, target.config.vocab_size), float("-inf"))
         full[:, module.draft_ids] = draft
@@ -165,13 +192,15 @@ EAGLE3 = Kind(
     export=Export(Family.eagle, ("vllm", "sglang", "speculators"), card_tag="eagle3",
                   llamacpp=Eagle3LlamaCpp("draft-eagle3", converts="vllm", gguf_arch="eagle3")),
     conformance=Eagle3Conformance({"eagle3-pruned": ["drafter.eagle.draft_vocab_size=1024"],
-                                   "eagle3-full": ["drafter.eagle.draft_vocab_size=0"]}))
+                                   "eagle3-full": ["drafter.eagle.draft_vocab_size=0"],
+                                   "eagle31": ["drafter.eagle.draft_vocab_size=1024", "drafter.eagle.fc_norm=true",
+                                               "drafter.eagle.norm_output=true"]}))
 
 EAGLE1 = Kind(
     "eagle1", "an EAGLE-1 head", "EAGLE-1 draft head",
     recognises=lambda config: EAGLE1_ARCH in _architectures(config),
     training=Eagle1Training("eagle"),
-    decoding=EagleDecoding(load=load_eagle1),
+    decoding=EagleDecoding(load=load_eagle1, eagle31=False),
     planning=Eagle1Planning(),
     export=NoExport("vLLM and SGLang serve EAGLE-1 only in the EAGLE repo's own layout, which has no writer here; train "
                     "an EAGLE-3 head instead"))

@@ -6,6 +6,11 @@ layer attends over concat(norm(embedding), norm(hidden)) and its output hidden s
 `norm` and a pruned `lm_head` over the draft vocabulary (target id = i + d2t[i]). Later draft steps feed the
 head's own output hidden state instead of the target's feature.
 
+EAGLE-3.1 (docs/algorithms.md §EAGLE-3.1) is the same head with config flags, named as vLLM, SGLang, speculators and
+llama.cpp read them (EAGLE31_FLAGS): `fc_norm` (an RMSNorm on each aux feature before `fc`, `fc_norm.{i}.weight`),
+`norm_output` (the post-norm hidden state fed back to the next draft step; `lm_head` reads it without another norm)
+and `norm_before_fc` (one RMSNorm over the concatenated features, `input_norm.weight`; excludes `fc_norm`).
+
 The module's parameter names are the SGLang / vLLM "HF-style" EAGLE-3 names (docs/formats.md §EAGLE-3), so a
 checkpoint folder is config.json + model.safetensors that those engines load unchanged. The head borrows the
 target's token embedding at run time; it is not part of the checkpoint. Training (train/) and decoding
@@ -90,6 +95,12 @@ class Eagle3Head(nn.Module):
         d = config.hidden_size
         target_d = getattr(config, "target_hidden_size", None) or d
         self.fc = nn.Linear(3 * target_d, d, bias=False)
+        flags = eagle31_flags(config)
+        if flags.get("fc_norm"):  # EAGLE-3.1: one RMSNorm per aux feature (vLLM, SGLang, speculators: fc_norm.{i})
+            self.fc_norm = nn.ModuleList([LlamaRMSNorm(target_d, config.rms_norm_eps) for _ in range(3)])
+        if flags.get("norm_before_fc"):  # one RMSNorm over the concatenation (speculators' input_norm, llama.cpp)
+            self.input_norm = LlamaRMSNorm(3 * target_d, config.rms_norm_eps)
+        self.norm_output = bool(flags.get("norm_output"))  # EAGLE-3.1: the post-norm state is fed back
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
@@ -108,28 +119,53 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, features: Dict[int, torch.Tensor]) -> torch.Tensor:
         """Concatenate the aux-layer features (low, middle, high) and project them: [..., 3·d_t] → [..., d]."""
-        return self.fc(torch.cat([features[k] for k in self.aux_layer_ids], dim=-1))
+        return self.fuse_concatenated(torch.cat([features[k] for k in self.aux_layer_ids], dim=-1))
+
+    def fuse_concatenated(self, x: torch.Tensor) -> torch.Tensor:
+        """fc of the concatenated features [..., 3·d_t], after EAGLE-3.1's norms when the head has them."""
+        if hasattr(self, "input_norm"):
+            x = self.input_norm(x)
+        if hasattr(self, "fc_norm"):
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+        return self.fc(x)
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
                 mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None,
                 prev_kv: Sequence[KV] = ()) -> Tuple[torch.Tensor, KV]:
         """hidden [B, T, d] (fused target features or the head's own outputs), embeds [B, T, d] of the next
         tokens, position_ids [B, T]; mask: bool [B or 1, 1, T, S], True = may attend. Returns the output hidden
-        state [B, T, d] (pre-norm; fed back at the next draft step) and this call's (keys, values)."""
+        state [B, T, d] fed back at the next draft step — pre-norm (EAGLE-3), or after `norm` with norm_output
+        (EAGLE-3.1) — and this call's (keys, values)."""
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(hidden, embeds, position_embeddings, mask, cache, prev_kv)
+        hidden, kv = self.midlayer(hidden, embeds, position_embeddings, mask, cache, prev_kv)
+        return (self.norm(hidden) if self.norm_output else hidden), kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # [..., Vd]
+        """The draft logits [..., Vd] of an output hidden state of `forward` (already normalised with norm_output)."""
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))  # [..., Vd]
+
+
+EAGLE31_FLAGS = ("fc_norm", "norm_output", "norm_before_fc")  # the config keys, as the engines name them
+
+
+def eagle31_flags(config) -> Dict[str, bool]:
+    """The EAGLE-3.1 flags a head's config (LlamaConfig or config.json dict) sets true."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return {key: True for key in EAGLE31_FLAGS if get(key) is True}
 
 
 def eagle3_config(target_config, aux_layer_ids: Sequence[int], draft_vocab_size: int,
-                  attention_bias: Optional[bool] = None) -> LlamaConfig:
+                  attention_bias: Optional[bool] = None, flags: Optional[Dict[str, bool]] = None) -> LlamaConfig:
     """The head's config: one decoder layer with the target's dimensions, in the layout engines load (attention
-    biases as the target has them, unless `attention_bias` says)."""
+    biases as the target has them, unless `attention_bias` says); `flags`: EAGLE-3.1's (EAGLE31_FLAGS), written only
+    when true, so an EAGLE-3 head's config.json is unchanged."""
     t = target_config
+    flags = {key: True for key, on in (flags or {}).items() if on}
+    if flags.get("fc_norm") and flags.get("norm_before_fc"):
+        raise SpecdrafterError("fc_norm and norm_before_fc exclude each other (a norm per aux layer, or one over the "
+                               "three concatenated): set one")
     return LlamaConfig(
-        architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, hidden_size=t.hidden_size,
+        **flags, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
@@ -288,8 +324,8 @@ def eagle3_head_config(raw: dict, layout: str, where: str) -> LlamaConfig:
         raise SpecdrafterError(f"the EAGLE-3 head in {where!r} cannot be loaded: {unsupported}")
     layer = raw["transformer_layer_config"] if layout == "speculators" else raw
     drop = {"architectures", "model_type", "eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size",
-            "target_hidden_size", "norm_before_residual", "norm_output", "fc_norm", "_name_or_path"}
-    config = LlamaConfig.from_dict({k: v for k, v in layer.items() if k not in drop})
+            "target_hidden_size", "norm_before_residual", "_name_or_path", *EAGLE31_FLAGS}
+    config = LlamaConfig.from_dict({**{k: v for k, v in layer.items() if k not in drop}, **eagle31_flags(raw)})
     ids = eagle3_aux_layer_ids(raw, layout, where)
     config.architectures, config.num_hidden_layers, config.tie_word_embeddings = [EAGLE3_ARCH], 1, False
     config.draft_vocab_size = raw.get("draft_vocab_size") or config.vocab_size
@@ -301,8 +337,12 @@ def eagle3_head_config(raw: dict, layout: str, where: str) -> LlamaConfig:
 
 def unsupported_eagle3_settings(raw: dict, layout: str) -> Optional[str]:
     """What in a config.json makes its head compute something ours does not (None: nothing). Our head: one Llama
-    decoder layer whose residual is the un-normalised hidden state, fc straight on the concatenated features, norm
-    before lm_head, the pre-norm hidden state fed back, the target's token embedding."""
+    decoder layer whose residual is the un-normalised hidden state, fc on the concatenated features (after
+    EAGLE-3.1's fc_norm or norm_before_fc, not both), norm before lm_head, the pre-norm hidden state fed back (the
+    post-norm one with norm_output), the target's token embedding. norm_output reads as vLLM, SGLang, speculators and
+    SpecForge since its #879 read it: true = EAGLE-3.1's feedback, false = EAGLE-3."""
+    if raw.get("fc_norm") is True and raw.get("norm_before_fc") is True:
+        return "fc_norm and norm_before_fc are both true; a head has one or the other (speculators refuses both too)"
     if layout == "speculators":
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
@@ -311,16 +351,11 @@ def unsupported_eagle3_settings(raw: dict, layout: str) -> Optional[str]:
         if model_type != "llama":
             return (f"transformer_layer_config.model_type = {model_type!r}; specdrafter's head is a Llama decoder "
                     "layer")
-        flags = {"norm_before_fc": "an RMSNorm (input_norm) on the concatenated features before fc",
-                 "fc_norm": "an RMSNorm per aux feature (fc_norm.*) before fc",
-                 "norm_output": "the normalised hidden state fed back to later draft steps",
-                 "embed_requires_grad": "a token embedding trained with the head, not the target's"}
+        flags = {"embed_requires_grad": "a token embedding trained with the head, not the target's"}
         layers_key, layers = "transformer_layer_config.num_hidden_layers", layer.get("num_hidden_layers", 1)
     else:
-        flags = {"fc_norm": "an RMSNorm per aux feature (fc_norm.*) before fc"}
+        flags = {}
         layers_key, layers = "num_hidden_layers", raw.get("num_hidden_layers", 1)  # SpecForge builds one anyway
-        if raw.get("norm_output", True) is False:  # SpecForge: False = lm_head on the un-normalised hidden state
-            return "norm_output = false (lm_head without the final norm); specdrafter's head has it"
         eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
         if eagle.get("use_aux_hidden_state", True) is False:
             return "eagle_config.use_aux_hidden_state = false; specdrafter's head fuses three target layers"

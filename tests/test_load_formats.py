@@ -275,18 +275,18 @@ def test_a_head_without_aux_layer_ids_gets_the_trainers_default_and_decodes_exac
 REFUSED = [  # (layout, config changes, extra tensors, what the one line must say)
     ("speculators", {"norm_before_residual": True}, {}, r"norm_before_residual = true \(the normalised hidden state as "
                                                         r"the residual\)"),
-    ("speculators", {"norm_before_fc": True}, {"input_norm.weight": torch.ones(96)}, r"norm_before_fc = true"),
-    ("speculators", {"fc_norm": True}, {f"fc_norm.{i}.weight": torch.ones(32) for i in range(3)}, r"fc_norm = true"),
-    ("speculators", {"norm_output": True}, {}, r"norm_output = true \(the normalised hidden state fed back"),
+    ("speculators", {"norm_before_fc": True, "fc_norm": True},  # EAGLE-3.1's norms alone load: tests/test_eagle31.py
+     {"input_norm.weight": torch.ones(96), **{f"fc_norm.{i}.weight": torch.ones(32) for i in range(3)}},
+     r"fc_norm and norm_before_fc are both true"),
+    ("speculators", {"fc_norm": True}, {}, r"missing fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight"),
     ("speculators", {"embed_requires_grad": True}, {}, r"embed_requires_grad = true \(a token embedding trained"),
     ("speculators", {"layer": {"model_type": None}}, {}, r"transformer_layer_config.model_type = 'qwen3'"),
     ("speculators", {"layer": {"num_hidden_layers": 2}}, {"layers.1.input_layernorm.weight": torch.ones(32)},
      r"transformer_layer_config.num_hidden_layers = 2; specdrafter's head has one decoder layer"),
     ("speculators", {"speculators_model_type": "eagle"}, {}, r"is not an EAGLE-3 head checkpoint .*"
                                                              r"speculators_model_type: 'eagle'"),
-    ("specforge", {"fc_norm": True}, {f"fc_norm.{i}.weight": torch.ones(32) for i in range(3)}, r"fc_norm = true \(an RMSNorm "
-                                                                                       r"per aux feature"),
-    ("specforge", {"norm_output": False}, {}, r"norm_output = false \(lm_head without the final norm\)"),
+    ("specforge", {}, {f"fc_norm.{i}.weight": torch.ones(32) for i in range(3)},
+     r"fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight have no counterpart"),
     ("specforge", {}, {"midlayer.self_attn.q_norm.weight": torch.ones(8)},
      r"do not fit an EAGLE-3 head of its config.json: midlayer.self_attn.q_norm.weight has no counterpart"),
     ("specforge", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}, {},

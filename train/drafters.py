@@ -26,6 +26,7 @@ from specdrafter.core.io import SpecdrafterError, publish_dir, temp_dir_beside
 from specdrafter.core.weights import check_model_folder, write_config_and_weights
 from specdrafter.data.assets import resolve_target
 from specdrafter.models.eagle import (
+    EAGLE31_FLAGS,
     Eagle1Head,
     Eagle3Head,
     default_aux_layers,
@@ -297,7 +298,8 @@ class Eagle3Drafter:
         L, V = target.config.num_hidden_layers, target.config.vocab_size
         aux = list(e.aux_layer_ids) or default_aux_layers(L)  # checked against the target: kinds/eagle.py: planner_checks
         vocab = e.draft_vocab_size or V
-        head = Eagle3Head(eagle3_config(target.config, aux, vocab, e.attention_bias)).to(MASTER_DTYPE)
+        flags = {key: e[key] for key in EAGLE31_FLAGS}  # EAGLE-3.1's norms, when the recipe sets them
+        head = Eagle3Head(eagle3_config(target.config, aux, vocab, e.attention_bias, flags)).to(MASTER_DTYPE)
         if vocab < V and data is not None:
             d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
             head.d2t.copy_(d2t)
