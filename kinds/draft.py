@@ -36,7 +36,7 @@ from specdrafter.kinds.base import (
     never,
 )
 from specdrafter.train import memory
-from specdrafter.train.drafters import DraftModelDrafter
+from specdrafter.train.drafters import DraftModelDrafter, cut_config
 from specdrafter.train.memory import Shapes
 
 
@@ -108,12 +108,16 @@ class DraftTraining(Training):
 @dataclass(frozen=True)
 class DraftPlanning(Planning):
     def module(self, cfg, target, config_of, training):
-        """A draft model named by drafter.path is built from its config (no weights); else the target's layers."""
+        """A draft model named by drafter.path, or narrowed, is built from its config (no weights); else the target's
+        layers."""
         dr = cfg.drafter
-        if dr.path:
-            dconf = config_of(dr.path)
-            if dr.layers:  # cut to those of its layers
-                dconf.num_hidden_layers = len(dr.layers)
+        if dr.path or dr.hidden_size:  # built from its config: no weights, no calibration
+            dconf = config_of(dr.path) if dr.path else target.config
+            if dr.layers or not dr.path:  # cut to those of its layers
+                dconf = cut_config(dconf, list(dr.layers) or list(range(dr.num_layers)))
+            if dr.hidden_size:  # narrowed: the residual width only (train/narrow.py)
+                dconf.head_dim = getattr(dconf, "head_dim", None) or dconf.hidden_size // dconf.num_attention_heads
+                dconf.hidden_size, dconf.tie_word_embeddings = dr.hidden_size, False
             module = AutoModelForCausalLM.from_config(dconf).to(torch.float32)
             if dr.lora.r > 0:
                 module = get_peft_model(module, LoraConfig(r=dr.lora.r, lora_alpha=dr.lora.alpha, task_type="CAUSAL_LM",
@@ -127,13 +131,18 @@ class DraftPlanning(Planning):
 
     def checks(self, cfg, T: Shapes, config_of):
         dr = cfg.drafter
+        source = config_of(dr.path) if dr.path else None
+        width = source.hidden_size if source is not None else T.hidden
+        if dr.hidden_size and dr.hidden_size > width:
+            return [(False, f"recipe key 'drafter.hidden_size': {dr.hidden_size} must be at most the width of the model "
+                            f"it is narrowed from ({width})")]
         if not dr.path:
             layers = list(dr.layers) or list(range(dr.num_layers))
             ok = 1 <= len(layers) <= T.layers and all(0 <= j < T.layers for j in layers)
             return [(ok, f"draft copies target layers {layers}" if ok else
                      f"recipe keys 'drafter.layers' / 'drafter.num_layers': the draft copies 1..{T.layers} of the "
                      f"target's layers 0..{T.layers - 1}, got {layers}")]
-        D = Shapes.of(config_of(dr.path))
+        D = Shapes.of(source)
         bad = [j for j in dr.layers if not 0 <= j < D.layers]
         if bad:
             return [(False, f"recipe key 'drafter.layers': {dr.path!r} has layers 0..{D.layers - 1}, got {bad[0]}")]

@@ -515,6 +515,10 @@ def test_killed_run_resumes_to_the_same_weights_and_skips_a_partial_save(tmp_pat
         assert torch.equal(reference[name], resumed[name]), name
     losses = lambda out: {r["step"]: r["loss"] for r in metrics(out)}  # noqa: E731
     assert losses(tmp_path) == losses(uninterrupted)  # steps 2, 4, 6: the same batches and the same numbers
+    # the same command on the finished run (what a rerun of the scaling curve gives each of its runs): nothing trains
+    stamps = {p: p.stat().st_mtime_ns for p in root.glob("*/trainer_state.json")}
+    train_loop.train(cfg)
+    assert {p: p.stat().st_mtime_ns for p in root.glob("*/trainer_state.json")} == stamps
 
 
 def test_raising_max_steps_on_resume_continues_exactly(tmp_path, peaky_target, data_dir):
@@ -780,6 +784,22 @@ def test_a_draft_model_folder_is_cut_to_the_layers_named(tmp_path, peaky_target,
         recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={peaky_target}",
                "drafter.layers=[0,9]"), Shapes.of(source.config), AutoConfig.from_pretrained)
     assert checks == [(False, f"recipe key 'drafter.layers': {str(peaky_target)!r} has layers 0..3, got 9")]
+
+
+def test_a_draft_model_is_narrowed_to_drafter_hidden_size(tmp_path, peaky_target, data_dir, target, smollm2_tokenizer):
+    """drafter.hidden_size: the draft's residual stream cut to that width, calibrated on the first training sequences
+    (train/narrow.py; its exactness is tests/test_narrow.py's); wider than its source is refused by the plan."""
+    cfg = recipe("draft_model", tmp_path / "out", peaky_target, data_dir, "drafter.num_layers=2",
+                 "drafter.hidden_size=16")
+    data = TrainingData(data_dir, smollm2_tokenizer, str(peaky_target), 128, heldout=1, seed=0)
+    module = build_drafter(cfg, target, data, smollm2_tokenizer).module
+    width = target.config.hidden_size
+    assert module.config.hidden_size == 16 < width and module.config.num_hidden_layers == 2
+    assert module.model.layers[0].self_attn.q_proj.weight.shape[0] == target.model.layers[0].self_attn.q_proj.weight.shape[0]
+    wide = recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.hidden_size={width + 1}")
+    assert kind_of(wide).planning.checks(wide, Shapes.of(target.config), AutoConfig.from_pretrained) == [
+        (False, f"recipe key 'drafter.hidden_size': {width + 1} must be at most the width of the model it is narrowed "
+                f"from ({width})")]
 
 
 def test_data_from_another_target_is_refused(tmp_path, peaky_target, data_dir):

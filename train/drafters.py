@@ -39,6 +39,7 @@ from specdrafter.models.medusa import MedusaHeads, init_from_target, medusa_conf
 from specdrafter.train.batches import Batch
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test
 from specdrafter.train.memory import TEACHER_CHUNK
+from specdrafter.train.narrow import narrowed
 from specdrafter.train.objectives import Objective, feature_loss
 
 # The dtype of every trainable drafter's weights, whatever the target's: AdamW on bf16 weights loses the updates
@@ -149,13 +150,18 @@ def run_target(target: nn.Module, batch: Batch, layers: List[int], draft_ids: Op
 PER_LAYER_KEYS = ("layer_types", "no_rope_layers")  # config lists with one entry per decoder layer
 
 
+def cut_config(config, layers: Sequence[int]):
+    """`config` for a model of the decoder layers `layers` only (in that order, each keeping its own attention type:
+    `PER_LAYER_KEYS`)."""
+    facts = config.to_dict()
+    per_layer = {k: [facts[k][i] for i in layers] for k in PER_LAYER_KEYS if isinstance(facts.get(k), list)}
+    return AutoConfig.for_model(**{**facts, "num_hidden_layers": len(layers), **per_layer})
+
+
 def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Module:
     """A small causal LM initialised as a copy of the target's embeddings, the decoder layers `layers` (in that
     order, each keeping its own attention type: `PER_LAYER_KEYS`), final norm and lm_head (trainable, not shared)."""
-    facts = target.config.to_dict()
-    per_layer = {k: [facts[k][i] for i in layers] for k in PER_LAYER_KEYS if isinstance(facts.get(k), list)}
-    config = AutoConfig.for_model(**{**facts, "num_hidden_layers": len(layers), **per_layer})
-    draft = AutoModelForCausalLM.from_config(config).to(MASTER_DTYPE)
+    draft = AutoModelForCausalLM.from_config(cut_config(target.config, layers)).to(MASTER_DTYPE)
     source = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layers)}  # draft prefix → target's
     weights = {}
     for key in draft.state_dict():
@@ -166,6 +172,14 @@ def draft_model_from_target(target: nn.Module, layers: Sequence[int]) -> nn.Modu
         raise SpecdrafterError(f"could not initialise the draft model from the target: no weights for {missing[0]}")
     draft.generation_config = target.generation_config
     return draft
+
+
+def calibration_sequences(data, count: int = 16, length: int = 256) -> List[torch.Tensor]:
+    """The first `count` training sequences (at most `length` tokens each): what a narrowed draft's basis is measured
+    on (train/narrow.py); none without training data."""
+    if data is None:
+        return []
+    return [data.sequences[i][:length] for i in data.train[:count]]
 
 
 class DraftModelDrafter:
@@ -192,6 +206,8 @@ class DraftModelDrafter:
                 module = draft_model_from_target(module, list(dr.layers))
         else:  # layers within the target's (kinds/draft.py: planner_checks)
             module = draft_model_from_target(target, list(dr.layers) or list(range(dr.num_layers)))
+        if dr.hidden_size:  # narrowed, calibrated on the first training sequences
+            module = narrowed(module, dr.hidden_size, calibration_sequences(data))
         self.lora = None
         if dr.lora.r > 0:
             self.lora = LoraConfig(r=dr.lora.r, lora_alpha=dr.lora.alpha, lora_dropout=dr.lora.dropout,
