@@ -10,8 +10,10 @@ import datasets
 import pytest
 from conftest import REPO
 
+from specdrafter.eval import scaling
 
-def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
+
+def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target, monkeypatch):
     rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me a short fact about the number {i}."},
                                              {"from": "gpt", "value": f"The number {i} is {'even' if i % 2 == 0 else 'odd'}, "
                                                                       "and that is a fact worth knowing."}]}
@@ -47,10 +49,17 @@ def test_scaling_curve_runs_end_to_end_and_resumes(tmp_path, tiny_target):
     assert (out / "scaling.md").is_file() and (out / "tau_vs_tokens.png").stat().st_size > 0
     assert "dataset-240" in (out / "scaling.md").read_text()
 
-    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoints/*/trainer_state.json")}
-    again = subprocess.run(cmd, capture_output=True, text=True)  # a rerun: every step finds its work done
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoints/*/trainer_state.json")} == stamps
+    # A rerun: every step finds its work done. The curve runs again in-process with its commands recorded: it starts
+    # no data job (the data covers every budget) and repeats each training and evaluation command of the first run
+    # word for word, which the jobs answer with no work (test_train.py's killed-run test reruns a finished training,
+    # test_eval_job.py's reruns decode no cell), so the six jobs are not started again to find nothing to do.
+    first = [line[len("$ python "):] for line in done.stderr.splitlines() if line.startswith("$ python -m specdrafter.")]
+    assert len(first) >= 8 and any(".jobs.data " in line for line in first)
+    rerun = []
+    monkeypatch.setattr(scaling, "command", lambda module, recipe, overrides, *extra: rerun.append(
+        " ".join(["-m", module, recipe, *overrides, *extra])))
+    scaling.main(cmd[2:])
+    assert rerun == [line for line in first if ".jobs.data " not in line]
 
 
 def test_the_trend_is_alphas_slope_per_decade_and_its_extrapolation_to_tau_3():
