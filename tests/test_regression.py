@@ -37,6 +37,7 @@ RUNS = {  # kind: (recipe, overrides)
     "medusa": ("smollm2-135m-medusa", ["drafter.medusa.stage=1"]),
     "eagle3": ("smollm2-135m-eagle3", []),
     "eagle1": ("smollm2-135m-eagle3", ["drafter.kind=eagle1"]),
+    "eagle31": ("smollm2-135m-eagle31", []),  # EAGLE-3 with fc_norm and norm_output
     "dflash": ("smollm2-135m-dflash", []),
     "dspark": ("smollm2-135m-dspark", []),
 }
@@ -46,6 +47,7 @@ EXPECTED = {
     "medusa": [24.3368, 24.5474, 23.2845],
     "eagle3": [13.2767, 13.1302, 13.7931],
     "eagle1": [1.36815, 1.31366, 1.31618],
+    "eagle31": [15.2984, 14.5914, 12.9230],
     "dflash": [30.8389, 30.5925, 30.8996],
     "dspark": [6.88394, 6.75242, 6.71308],
 }
