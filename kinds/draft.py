@@ -136,6 +136,10 @@ class DraftPlanning(Planning):
         if dr.hidden_size and dr.hidden_size > width:
             return [(False, f"recipe key 'drafter.hidden_size': {dr.hidden_size} must be at most the width of the model "
                             f"it is narrowed from ({width})")]
+        heads = source.num_attention_heads if source is not None else T.heads
+        if dr.hidden_size and dr.hidden_size % heads:
+            return [(False, f"recipe key 'drafter.hidden_size': {dr.hidden_size} must be a multiple of the draft's "
+                            f"{heads} attention heads (e.g. {dr.hidden_size // heads * heads})")]
         if not dr.path:
             layers = list(dr.layers) or list(range(dr.num_layers))
             ok = 1 <= len(layers) <= T.layers and all(0 <= j < T.layers for j in layers)

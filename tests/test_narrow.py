@@ -62,6 +62,7 @@ def test_narrower_it_keeps_the_heads_and_the_mlp_and_saves_as_a_plain_causal_lm(
     narrow = narrowed(model, 40, calibration)
     c = narrow.config
     assert (c.hidden_size, c.head_dim, c.num_attention_heads, c.intermediate_size) == (40, 16, 4, 128)
+    assert c.model_type == "llama"  # a Qwen2 is written as the Llama with q/k/v biases it is (llama.cpp serves it)
     assert narrow.model.layers[0].self_attn.q_proj.weight.shape == (64, 40)
     assert narrow.model.layers[0].mlp.down_proj.weight.shape == (40, 128)
     narrow.save_pretrained(tmp_path)
@@ -84,6 +85,7 @@ def test_the_basis_is_orthonormal_and_ordered_by_variance(calibration):
 @pytest.mark.parametrize("make, d, sequences, says", [
     (lambda: MODELS["qwen2, tied head"](), 65, True, "65 must be at most the draft's own width 64"),
     (lambda: MODELS["qwen2, tied head"](), 32, False, "no training sequences to calibrate"),
+    (lambda: MODELS["qwen2, tied head"](), 30, True, r"30 must be a multiple of the draft's 4 attention heads \(e.g. 28\)"),
     (lambda: GemmaForCausalLM(GemmaConfig(**SHAPE, head_dim=16)), 32, True, "narrowing a gemma draft is not supported"),
 ])
 def test_what_cannot_be_narrowed_is_one_line(make, d, sequences, says, calibration):

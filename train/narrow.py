@@ -16,8 +16,8 @@ residual width d. Narrowing d keeps the trained weights' function as far as a li
    dropped directions carry little, each layer sees what it saw.
 
 This is the slicing of SliceGPT (Ashkboos et al., 2024) with one rotation for the whole stream instead of one per
-layer. The result is a plain causal LM of the same architecture (config.hidden_size = d, config.head_dim kept), which
-training then distils like any draft model.
+layer. The result is a plain causal LM of the same architecture (config.hidden_size = d, config.head_dim kept; a
+Qwen2 becomes the Llama it is, see QWEN2_ONLY), which training then distils like any draft model.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from specdrafter.core.io import SpecdrafterError
 
 # architectures whose decoder layers are Llama's: RMSNorm(weight) before attention and MLP, q/k/v/o and gate/up/down
 NARROWABLE = ("llama", "mistral", "qwen2", "qwen3")
+# A narrowed Qwen2 is written as a Llama with q/k/v biases (Qwen2's computation exactly, its sliding-window settings
+# off as in every Qwen2.5 checkpoint): llama.cpp 11434's qwen2 graph requires the attention width to equal the
+# residual width (src/models/qwen2.cpp: q as n_embd × n_embd), its llama graph takes any head_dim.
+QWEN2_ONLY = ("model_type", "architectures", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 READS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 WRITES = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -61,14 +65,20 @@ def narrowed(model: nn.Module, d: int, sequences: Sequence[torch.Tensor]) -> nn.
                                f"supported (its layers must be Llama's: {', '.join(NARROWABLE)})")
     if not 0 < d <= D:  # d = D: a rotation only, the same function (tests/test_train.py checks it)
         raise SpecdrafterError(f"recipe key 'drafter.hidden_size': {d} must be at most the draft's own width {D}")
+    heads = config.num_attention_heads
+    if d % heads:  # transformers' Llama config requires it (whatever head_dim is)
+        raise SpecdrafterError(f"recipe key 'drafter.hidden_size': {d} must be a multiple of the draft's {heads} "
+                               f"attention heads (e.g. {d // heads * heads})")
     if not sequences:
         raise SpecdrafterError("recipe key 'drafter.hidden_size': no training sequences to calibrate the narrowing with")
     P = residual_basis(model, sequences)[:, :d]  # [D, d]
     old = {k: v.float() for k, v in model.state_dict().items()}
     head_dim = getattr(config, "head_dim", None) or D // config.num_attention_heads
-    narrow_config = AutoConfig.for_model(**{**config.to_dict(), "hidden_size": d, "head_dim": head_dim,
-                                            "tie_word_embeddings": False})
-    narrow = AutoModelForCausalLM.from_config(narrow_config).to(torch.float32)
+    facts = {**config.to_dict(), "hidden_size": d, "head_dim": head_dim, "tie_word_embeddings": False}
+    if config.model_type == "qwen2":  # written as the Llama it is (below): q/k/v biases, a zero o_proj bias
+        facts = {k: v for k, v in facts.items() if k not in QWEN2_ONLY}
+        facts.update(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=True, mlp_bias=False)
+    narrow = AutoModelForCausalLM.from_config(AutoConfig.for_model(**facts)).to(torch.float32)
     scale = math.sqrt(D / d)
     new = {"model.embed_tokens.weight": old["model.embed_tokens.weight"] @ P,
            "model.norm.weight": torch.full((d,), scale),
@@ -87,6 +97,9 @@ def narrowed(model: nn.Module, d: int, sequences: Sequence[torch.Tensor]) -> nn.
     for key, value in old.items():  # biases of q, k, v, and anything inside the heads (Qwen3's q_norm, k_norm)
         if key not in new and key in narrow.state_dict() and narrow.state_dict()[key].shape == value.shape:
             new[key] = value
+    for key, value in narrow.state_dict().items():  # a Qwen2 written as a Llama: Llama's o_proj bias is zero
+        if key.endswith("self_attn.o_proj.bias") and key not in new:
+            new[key] = torch.zeros_like(value)
     missing = [k for k in narrow.state_dict() if k not in new]
     if missing:
         raise SpecdrafterError(f"could not narrow the draft model: no weights for {missing[0]}")
