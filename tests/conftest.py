@@ -40,6 +40,21 @@ def smollm2_tokenizer(smollm2_dir):
 
 
 @pytest.fixture
+def quick_plan(monkeypatch):
+    """llama.cpp's plan (engines/serve.py:plan, eval/llamacpp.py:calibrate) measured on 2 MT-Bench prompts × 16 tokens
+    per server and 2 llama-bench rounds, not 6 × 64 and 5: the tests that measure one check which settings it
+    measures, what it decides for a drafter that accepts nothing and how it is cached and used, not its precision.
+    The same servers start at the same n_max and cuts."""
+    import specdrafter.engines.serve as serve
+    import specdrafter.eval.llamacpp as costs
+
+    monkeypatch.setattr(serve, "PLAN_PROMPTS", 2)
+    monkeypatch.setattr(serve, "PLAN_TOKENS", 16)
+    measure_v = costs.measure_v
+    monkeypatch.setattr(costs, "measure_v", lambda *args, **kwargs: measure_v(*args, **{"rounds": 2, **kwargs}))
+
+
+@pytest.fixture
 def one_thread():
     """For tests made of many small forward passes (sampling loops, tiny-model training, short generations): one
     intra-op thread; several only fight over busy cores and make such a test many times slower. Restored afterwards."""

@@ -29,7 +29,8 @@ def recipe(kind, run, target, *extra):
                         f"eval.checkpoint={run}", *extra])
 
 
-def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, gguf_target_dir, caplog, tmp_path):
+def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, gguf_target_dir, caplog, tmp_path,
+                                                              quick_plan):
     run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
     cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[loop,llama.cpp]", "eval.llamacpp.p_min_sweep=[0.5]")
     out = evaluate(cfg)

@@ -38,7 +38,7 @@ def refusal(argv) -> str:
     return line
 
 
-def test_a_random_head_is_measured_and_not_served_since_no_k_pays(capsys, drafter_run_of):
+def test_a_random_head_is_measured_and_not_served_since_no_k_pays(capsys, drafter_run_of, quick_plan):
     """A random EAGLE-3 head accepts nothing: the plan says so, names the cause, and a rerun uses the cached plan."""
     run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
     main([str(run), "--plan-only"])
