@@ -260,6 +260,11 @@ class BlockLength(Enum):
     confidence = "confidence"  # DSpark: as many as the confidence head and the measured cost curve say pay
 
 
+class BlockLossWeighting(Enum):
+    decay = "decay"  # draft j weighted exp(−j / loss_decay) (DFlash's own schedule)
+    dpace = "dpace"  # D-PACE: each draft weighted by the block's smoothed confidence from it on (train/objectives.py)
+
+
 @dataclass
 class BlockConfig:
     """DFlash and DSpark (models/block.py, docs/block-drafters.md)."""
@@ -275,6 +280,10 @@ class BlockConfig:
     anchors: int = checked(32, AT_LEAST_ONE)  # blocks per training sequence (anchor positions sampled uniformly)
     # Draft j's loss weight is exp(−j / loss_decay) (j = 0 first); 0 = all alike
     loss_decay: float = checked(4.0, NON_NEGATIVE)
+    # how draft j's objective is weighted: decay (above), or dpace (the default of speculators' and Model-Optimizer's
+    # DFlash; loss_decay unused), its confidence smoothed towards 1 by dpace_alpha (docs/algorithms.md#d-pace)
+    loss_weighting: BlockLossWeighting = BlockLossWeighting.decay
+    dpace_alpha: float = checked(0.5, Rule(lambda v: 0 < v <= 1, "in (0, 1]"))
     markov_rank: int = checked(256, NON_NEGATIVE)  # DSpark's Markov head rank (0: none)
     # the Markov head's learning rate ÷ train.lr: its previous-token embedding is sparse (a row moves only when its
     # token occurs), and at 1 it barely moves in a CPU-sized run (docs/block-drafters.md#the-markov-heads-learning-rate)

@@ -7,6 +7,8 @@ and its own slots). Draft j of a block predicts x_{a+1+j}, so it is compared wit
 Prediction every other kind makes (train/drafters.py), one per draft position ("draft1", "draft2", ...), weighted
 exp(−j / loss_decay). A draft is counted only while the tokens x_{a+1..a+1+j} are all target-generated (a
 contiguous supervised prefix): past a prompt token, what the block should have drafted is not the target's.
+With drafter.block.loss_weighting=dpace each counted draft's rows are weighted by D-PACE instead
+(train/objectives.py:dpace_weights, from the draft's probability of x_{a+1+j}; docs/algorithms.md#d-pace).
 
 DSpark's Markov head is teacher-forced on the true previous token; its confidence head learns the acceptance of its
 draft, BCE(σ(c_j), 1 − TV(p_j, q_j)) with TV at the training temperature and detached, added to the loss with
@@ -36,7 +38,7 @@ from specdrafter.models.block_folders import save_block_drafter
 from specdrafter.train.batches import Batch
 from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput
 from specdrafter.train.eagle import build_draft_vocab
-from specdrafter.train.objectives import acceptance
+from specdrafter.train.objectives import acceptance, dpace_weights
 
 
 def drafter_config(cfg: DictConfig, target_config, variant: Variant):
@@ -85,6 +87,7 @@ class BlockTrainingDrafter:
         self.anchors, self.decay, self.confidence_weight = b.anchors, b.loss_decay, b.confidence_weight
         self.confidence_decay, self.confidence_detach = b.confidence_decay, b.confidence_detach
         self.temperature = cfg.train.temperature
+        self.dpace_alpha = b.dpace_alpha if b.loss_weighting.value == "dpace" else None
         self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
         # jobs/train.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
         self.lr_scales = {"markov_head.": b.markov_lr_scale} if module.markov_head is not None else {}
@@ -93,6 +96,23 @@ class BlockTrainingDrafter:
     def weight(self, j: int) -> float:
         """Draft j's share of the loss (0-based): exp(−j / loss_decay), or 1 with loss_decay 0."""
         return math.exp(-j / self.decay) if self.decay else 1.0
+
+    def confidences(self, module, logits, ids, anchors, supervised) -> torch.Tensor:
+        """q [B, N, γ]: each supervised draft's probability (at T = 1, as the peers') of the block's true token
+        x_{a+1+j}, detached; 0 where a pruned vocabulary lacks that token, and at unsupervised slots."""
+        γ = logits.shape[2]
+        at = (anchors[..., None] + 1 + torch.arange(γ, device=ids.device)).clamp(max=ids.shape[1] - 1)  # [B, N, γ]
+        tokens = ids.gather(1, at.flatten(1)).view_as(at)  # [B, N, γ]
+        if self.teacher_ids is not None:  # target id → draft row, −1 outside the draft vocabulary
+            lookup = torch.full((module.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+            lookup[module.draft_ids] = torch.arange(len(module.draft_ids), device=ids.device)
+            tokens = lookup[tokens]
+        token = tokens[supervised]  # [R]
+        log_q = logits[supervised].detach().float().log_softmax(-1)  # [R, Vd]
+        q = log_q.gather(-1, token.clamp_min(0)[:, None])[:, 0].exp()  # [R]
+        out = torch.zeros(supervised.shape, device=ids.device)  # [B, N, γ]
+        out[supervised] = torch.where(token >= 0, q, 0.0)
+        return out
 
     def predictions(self, module, batch: Batch, target: TargetOutput) -> List[Prediction]:
         ids = batch.input_ids
@@ -105,6 +125,10 @@ class BlockTrainingDrafter:
         # draft j counts while x_{a+1..a+1+j} are all target-generated: a contiguous supervised prefix
         supervised = token_windows(batch.loss_mask, anchors, 1, γ, 0).cumprod(-1).bool() & valid[..., None]  # [B, N, γ]
         rows = anchors[..., None] + torch.arange(γ, device=ids.device)  # [B, N, γ] the target's row a + j
+        row_weights = None  # [B, N, γ] D-PACE's
+        if self.dpace_alpha is not None:
+            q = self.confidences(module, drafts.logits, ids, anchors, supervised)
+            row_weights = dpace_weights(q, supervised, self.dpace_alpha)
         out = []
         for j in range(γ):
             b, n = supervised[..., j].nonzero(as_tuple=True)
@@ -119,10 +143,12 @@ class BlockTrainingDrafter:
                 confidence = scale * F.binary_cross_entropy_with_logits(
                     drafts.confidence[b, n, j].float(), accept) if len(b) else draft.sum() * 0.0
             pruned = self.teacher_ids is not None
-            out.append(Prediction(f"draft{j + 1}", self.weight(j), draft, teacher, module.draft_ids if pruned else None,
+            weight = self.weight(j) if row_weights is None else 1.0  # D-PACE's row weights replace the decay
+            out.append(Prediction(f"draft{j + 1}", weight, draft, teacher, module.draft_ids if pruned else None,
                                   # as EAGLE-3: rows whose top token the draft vocabulary lacks teach it nothing useful
                                   loss_rows=target.top_in_vocab[index] if pruned else None,
-                                  target_lse=lse, confidence_loss=confidence))
+                                  target_lse=lse, confidence_loss=confidence,
+                                  row_weights=None if row_weights is None else row_weights[b, n, j]))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:

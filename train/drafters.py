@@ -40,7 +40,7 @@ from specdrafter.train.batches import Batch
 from specdrafter.train.eagle import build_draft_vocab, shift_left, training_time_test
 from specdrafter.train.memory import TEACHER_CHUNK
 from specdrafter.train.narrow import narrowed
-from specdrafter.train.objectives import Objective, feature_loss
+from specdrafter.train.objectives import Objective, feature_loss, masked_mean
 
 # The dtype of every trainable drafter's weights, whatever the target's: AdamW on bf16 weights loses the updates
 # smaller than bf16's resolution. train.precision=amp_bf16 runs the matmuls in bf16 under autocast; DeepSpeed's bf16
@@ -61,20 +61,27 @@ class Prediction:
     # When set, target_logits hold only the draft vocabulary's rows [N, Vd] and target_lse [N] is the log of the
     # target's normaliser over its *full* vocabulary at the training temperature (see `teacher_rows`).
     target_lse: Optional[torch.Tensor] = None
+    # [N] a weight per row (D-PACE's, detached): the loss is the masked mean of weight · objective; None: all 1
+    row_weights: Optional[torch.Tensor] = None
 
     def loss(self, objective: Objective) -> Tuple[torch.Tensor, torch.Tensor]:
         """This prediction's training loss — (weight · objective + its extra terms, the objective alone):
         the target's rows sliced to the draft vocabulary (unless `teacher_rows` already did), `objective` (the
         recipe's: train/objectives.py:Objective.of) over the `loss_rows`, times `weight` (1 for a draft model;
-        Medusa head i: heads_weight · decay^i; EAGLE TTT step j: step_decay^j, 0.8^j by default)."""
+        Medusa head i: heads_weight · decay^i; EAGLE TTT step j: step_decay^j, 0.8^j by default), each row
+        times its `row_weights` when set (a block drafter's D-PACE); the second value is always unweighted."""
         sliced = self.draft_ids is None or self.target_lse is not None  # target rows already in the draft vocabulary
         teacher = self.target_logits if sliced else self.target_logits[:, self.draft_ids]  # [N, Vd]
         rows = self.loss_rows
         if rows is None:
             rows = torch.ones(len(teacher), dtype=torch.bool, device=teacher.device)  # [N]
-        value = objective(teacher, self.draft_logits, rows)
         extra = sum(term for term in (self.feature_loss, self.confidence_loss) if term is not None)
-        return self.weight * value + extra, value
+        if self.row_weights is None:
+            value = objective(teacher, self.draft_logits, rows)
+            return self.weight * value + extra, value
+        per_row = objective.per_row(teacher, self.draft_logits)  # [N]
+        weighted = masked_mean(per_row * self.row_weights, rows)
+        return self.weight * weighted + extra, masked_mean(per_row, rows)
 
 
 @dataclass

@@ -177,6 +177,29 @@ class Objective:
         """distill_loss(...).total: the objective, differentiable."""
         return distill_loss(target_logits, draft_logits, mask, self.weights, self.temperature, self.jsd_beta).total
 
+    def per_row(self, target_logits: Tensor, draft_logits: Tensor) -> Tensor:
+        """Σ weight · objective at every position [...], unmasked: what __call__ averages, for a caller that weights
+        its rows (D-PACE)."""
+        for name in self.weights:
+            _check_name(name)
+        log_p, log_q = _log_probs(target_logits, draft_logits, self.temperature)
+        return sum(w * DIVERGENCES[name](log_p, log_q, self.jsd_beta) for name, w in self.weights.items() if w != 0)
+
+
+def dpace_weights(confidence: Tensor, mask: Tensor, alpha: float = 0.5) -> Tensor:
+    """D-PACE's weight of each position of a block (docs/algorithms.md §D-PACE), detached. confidence [..., L]: q_i,
+    the draft's probability of the block's true token at position i; mask [..., L] 0/1 (the supervised positions):
+        q̃_i = (1 − α) q_i + α        C_m = Π_{i≤m} q̃_i        w_j = Σ_{m≥j} C_m
+    A masked position is a no-op in the product (q̃ = 1) and adds nothing to the sums; its own weight is 0.
+    α = 1: w_j = the supervised positions from j on (γ − j for a whole block of γ drafts)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in [0, 1], got {alpha}")
+    with torch.no_grad():
+        keep = mask.bool()  # [..., L]
+        smooth = torch.where(keep, (1.0 - alpha) * confidence.float() + alpha, 1.0)  # [..., L]
+        cumulative = smooth.cumprod(-1) * keep  # [..., L] C_m
+        return cumulative.flip(-1).cumsum(-1).flip(-1) * keep  # [..., L] w_j
+
 
 def feature_loss(predicted: Tensor, target: Tensor, mask: Tensor) -> Tensor:
     """EAGLE-1's feature regression: SmoothL1 (β = 1) averaged over the hidden dim, then masked mean over
