@@ -120,7 +120,7 @@ OUT_OF_RANGE = {
     "drafter.eagle.feature_weight": [-1], "drafter.eagle.ce_weight": [-0.1],
     "drafter.block.num_layers": [0], "drafter.block.block_size": [1, 0], "drafter.block.aux_layer_ids": [[0]],
     "drafter.block.num_features": [0], "drafter.block.mask_token_id": [-1], "drafter.block.anchors": [0],
-    "drafter.block.loss_decay": [-1], "drafter.block.markov_rank": [-1],
+    "drafter.block.loss_decay": [-1], "drafter.block.dpace_alpha": [0, 1.5], "drafter.block.markov_rank": [-1],
     "drafter.block.markov_lr_scale": [0, -1], "drafter.block.markov_hold": [-0.1, 1.0], "drafter.block.confidence_weight": [-0.5],
     "drafter.block.draft_vocab_size": [-1],
     "train.objective": [{"soft_ce": -1.0}, {"soft_ce": 0.0}], "train.temperature": [0, -1], "train.jsd_beta": [0, 1],
