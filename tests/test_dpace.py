@@ -13,7 +13,7 @@ from specdrafter.core.recipe import BlockLossWeighting
 from specdrafter.models.block import DFLASH, VARIANTS
 from specdrafter.train.batches import Batch
 from specdrafter.train.block import BlockTrainingDrafter, sample_anchors
-from specdrafter.train.drafters import Prediction
+from specdrafter.train.drafters import Prediction, TargetOutput
 from specdrafter.train.objectives import Objective, dpace_weights
 
 DPACE = BlockLossWeighting.dpace
@@ -83,14 +83,23 @@ def batch_and_teacher(drafter, target, seed=3):
     batch = Batch(ids, mask, torch.ones_like(mask))
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
-    return batch, one_hot_teacher(batch, {k: out.hidden_states[k] for k in drafter.module.feature_layers})
+    teacher = one_hot_teacher(batch, {k: out.hidden_states[k] for k in drafter.module.feature_layers})
+    if drafter.teacher_ids is not None:  # a pruned vocabulary: the teacher's draft-vocabulary rows, as run_target gives
+        full, vocab = teacher.logits, drafter.teacher_ids
+        teacher = TargetOutput(teacher.features, full[:, vocab], teacher.row_index, full.logsumexp(-1),
+                               torch.isin(full.argmax(-1), vocab))
+    return batch, teacher
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dspark"])
-def test_a_block_drafters_rows_carry_the_dpace_weights_of_their_block(target, variant):
+@pytest.mark.parametrize("variant, pruned", [("dflash", False), ("dspark", False), ("dflash", True)])
+def test_a_block_drafters_rows_carry_the_dpace_weights_of_their_block(target, variant, pruned):
     """Each draft's rows weighted by D-PACE over its block, from the draft's probability of the block's true token
-    (the one-hot teacher's top), recomputed here block by block; the decay schedule replaced (weight 1)."""
-    drafter = BlockTrainingDrafter(recipe(variant, loss_weighting=DPACE, dpace_alpha=0.4), target, VARIANTS[variant])
+    (0 where a pruned vocabulary lacks it), recomputed here block by block; the decay schedule replaced (weight 1)."""
+    settings = dict(loss_weighting=DPACE, dpace_alpha=0.4, draft_vocab_size=V // 2 if pruned else 0)
+    drafter = BlockTrainingDrafter(recipe(variant, **settings), target, VARIANTS[variant])
+    vocab = torch.arange(V) if not pruned else torch.arange(0, V, 2)  # the even tokens only
+    if pruned:
+        drafter.module.set_draft_vocab(vocab)
     batch, teacher = batch_and_teacher(drafter, target)
     torch.manual_seed(11)
     predictions = drafter.predictions(drafter.module, batch, teacher)
@@ -106,9 +115,10 @@ def test_a_block_drafters_rows_carry_the_dpace_weights_of_their_block(target, va
             q = torch.zeros(γ)
             for j in range(span):
                 p = predictions[j]
-                row = seen[j]
-                assert p.target_logits[row].argmax() == batch.input_ids[b, a + 1 + j]
-                q[j] = p.draft_logits[row].detach().softmax(-1)[batch.input_ids[b, a + 1 + j]]
+                row, token = seen[j], int(batch.input_ids[b, a + 1 + j])
+                assert pruned or p.target_logits[row].argmax() == token
+                if token in vocab:
+                    q[j] = p.draft_logits[row].detach().softmax(-1)[vocab.tolist().index(token)]
             smooth = 0.6 * q[:span] + 0.4
             for j in range(span):
                 expected = sum(smooth[: m + 1].prod() for m in range(j, span))
