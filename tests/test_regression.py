@@ -39,6 +39,7 @@ RUNS = {  # kind: (recipe, overrides)
     "eagle1": ("smollm2-135m-eagle3", ["drafter.kind=eagle1"]),
     "eagle31": ("smollm2-135m-eagle31", []),  # EAGLE-3 with fc_norm and norm_output
     "dflash": ("smollm2-135m-dflash", []),
+    "dflash_dpace": ("smollm2-135m-dflash", ["drafter.block.loss_weighting=dpace"]),  # D-PACE's row weights
     "dspark": ("smollm2-135m-dspark", []),
 }
 # Recorded with this file; without one_thread, OMP_NUM_THREADS=1 and 2 gave these very bits as well.
@@ -49,6 +50,7 @@ EXPECTED = {
     "eagle1": [1.36815, 1.31366, 1.31618],
     "eagle31": [15.2984, 14.5914, 12.9230],
     "dflash": [30.8389, 30.5925, 30.8996],
+    "dflash_dpace": [16.9659, 16.9793, 16.7856],
     "dspark": [6.88394, 6.75242, 6.71308],
 }
 
