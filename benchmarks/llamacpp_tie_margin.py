@@ -3,9 +3,11 @@ and when a batched pass does? That gap decides when a T = 0 departure of specula
 decoding is a numerical tie rather than a wrong verifier (eval/llamacpp.py: TIE_MARGIN).
 
     python benchmarks/llamacpp_tie_margin.py [--prompts 8] [--tokens 48] [--outtype f32] [--threads 1]
-                                             [--out runs/llamacpp-tie-margin]
+                                             [--out runs/llamacpp-tie-margin] [--target NAME_OR_DIR]
+    python benchmarks/llamacpp_tie_margin.py --target qwen2.5-coder-1.5b-instruct --outtype source
 
-The target (SmolLM2, converted to GGUF with --outtype) is served alone. Per MT-Bench prompt (the eval job's last
+The target (SmolLM2 unless --target, converted to GGUF with --outtype, or served as the GGUF it was converted from
+with --outtype source) is served alone. Per MT-Bench prompt (the eval job's last
 prompts first, in the target's chat template):
 - single: one request generates --tokens tokens greedily with n_probs; each generated token's top log-probabilities
   come from a one-token decode step, the path target-only decoding takes;
@@ -28,8 +30,9 @@ from transformers import AutoTokenizer
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import atomic_write_text
-from specdrafter.data.assets import ensure_smollm2, load_prompt_set
+from specdrafter.data.assets import load_prompt_set, resolve_target
 from specdrafter.data.chat import user_prompt_ids
+from specdrafter.data.gguf_assets import paired_gguf
 from specdrafter.eval.llamacpp import TIE_MARGIN
 from specdrafter.inference.llama_server import LlamaServer
 
@@ -49,13 +52,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--outtype", default="f32", choices=["f32", "bf16", "f16", "q8_0"])
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="a built-in target or an HF folder")
+    ap.add_argument("--outtype", default="f32", choices=["f32", "bf16", "f16", "q8_0", "source"],
+                    help="the target's GGUF type; source: the GGUF it was converted from")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="runs/llamacpp-tie-margin")
     args = ap.parse_args()
-    folder = ensure_smollm2()
+    folder = Path(resolve_target(args.target))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    target = llamacpp.target_gguf(folder, args.outtype)
+    if args.outtype == "source":  # the GGUF a target was converted from (Qwen2.5-Coder's Q4_K_M file)
+        target = paired_gguf(folder)
+        args.outtype = target.name
+    else:
+        target = llamacpp.target_gguf(folder, args.outtype)
     prompts = [user_prompt_ids(tokenizer, r["turns"][0]) for r in load_prompt_set("mtbench")[-args.prompts:]]
     rows, started = [], time.time()
     with LlamaServer(target, threads=args.threads) as server:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -34,6 +35,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from specdrafter.core import llamacpp
 from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import (
     SpecdrafterError,
@@ -253,6 +255,21 @@ def paired_gguf(folder: Path) -> Path:
                                f"{'not at' if not gguf.is_file() else 'another file at'} {gguf}: fetch it again "
                                "(python launch/fetch_assets.py) or delete the folder")
     return gguf
+
+
+def served_gguf(folder: Path, outtype: Optional[str] = None, default: str = "f32") -> Path:
+    """The target's GGUF that llama.cpp serves: with no type asked, the GGUF a converted folder came from (the file
+    its users serve, e.g. Qwen2.5-Coder's Q4_K_M); else, or for any other folder, the folder converted once by
+    llama.cpp's converter at `outtype` (`default` when none is asked)."""
+    if outtype is None and (Path(folder) / GGUF_SOURCE).is_file():
+        return paired_gguf(folder)
+    return llamacpp.target_gguf(Path(folder), outtype or default)
+
+
+def gguf_type(gguf: Path) -> str:
+    """The weight type a GGUF's file name ends with (…-q4_k_m.gguf → q4_k_m), as TIE_MARGIN is keyed; else f32."""
+    found = re.search(r"(q\d_k(?:_[sml])?|q\d_\d|bf16|f16|f32)\.gguf$", Path(gguf).name.lower())
+    return found.group(1) if found else "f32"
 
 
 def convert_gguf(gguf: Path, final: Path, hub_id: Optional[str], sha256: str) -> Path:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
@@ -40,6 +40,7 @@ from transformers import AutoTokenizer
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.core.recipe import EvalEngine
 from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
+from specdrafter.data.gguf_assets import gguf_type
 from specdrafter.engines.serve import Drafter, gguf_pair, has_confidence, plan
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import EvalJob, Results
@@ -68,21 +69,27 @@ def prepare(cfg: DictConfig, job: EvalJob):
     if folder is None:
         raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
                                "this machine")
-    drafter, target = gguf_pair(newest.drafter, folder, cfg.eval.llamacpp.outtype.value)
+    drafter, target = gguf_pair(newest.drafter, folder, asked_type(cfg))
     if cfg.eval.llamacpp.p_min_sweep and not has_confidence(drafter):
         raise SpecdrafterError("recipe key 'eval.llamacpp.p_min_sweep': this DSpark drafter has no confidence head to "
                                "cut by (llama-server takes only --spec-draft-p-min 0 for it); leave it empty")
     return newest, drafter, target
 
 
+def asked_type(cfg: DictConfig) -> Optional[str]:
+    """eval.llamacpp.outtype, None where unset (a GGUF target is served as its own file)."""
+    return cfg.eval.llamacpp.outtype.value if cfg.eval.llamacpp.outtype is not None else None
+
+
 def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Path) -> Path:
     """Every llama.cpp cell not yet in results.json; the report rebuilt after each. Returns the evaluation folder."""
     e, threads, out = cfg.eval, cfg.eval.llamacpp.threads, job.out
+    served = asked_type(cfg) or gguf_type(target)  # the target's weight type: a tie's margin depends on it
     results = Results(out, job.header)
     cal = plan(drafter, target, threads)
     choice = cal.choose()
     arm = results.data.setdefault("llamacpp", {"cells": []})
-    arm.update(threads=threads, outtype=e.llamacpp.outtype.value, target_gguf=target.name,
+    arm.update(threads=threads, outtype=served, target_gguf=target.name,
                drafter_gguf=str(drafter.gguf), spec_type=drafter.spec_type, max_k=drafter.max_k,
                calibration=cal.to_json(), choice=asdict(choice))
     tokenizer = with_template_kwargs(AutoTokenizer.from_pretrained(drafter.target_folder),
@@ -98,7 +105,7 @@ def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Pat
     for cell in todo:
         try:
             found = side_by_side(target, drafter.gguf, drafter.spec_type, cell["k"], prompts[cell["set"]],
-                                 e.max_new_tokens, cell["temperature"], threads, e.llamacpp.outtype.value, cal,
+                                 e.max_new_tokens, cell["temperature"], threads, served, cal,
                                  log=log.info, raise_inexact=False, p_min=cell["p_min"])
         except SpecdrafterError as error:
             raise SpecdrafterError(f"llama.cpp cell {cell['id']}: {error} (the finished cells are kept in "

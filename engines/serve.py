@@ -43,6 +43,7 @@ from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import SpecdrafterError, atomic_write_json, publish_dir, temp_dir_beside
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
+from specdrafter.data.gguf_assets import served_gguf
 from specdrafter.eval.llamacpp import CONFIDENCE_CUTS, Calibration, calibrate
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, read_gguf, write_gguf
@@ -187,11 +188,12 @@ def check_pair(drafter: Drafter, target: Path) -> dict:
     return t
 
 
-def gguf_pair(drafter_path: Path, target_folder: Path, outtype: str = "f32") -> Tuple[Drafter, Path]:
-    """A drafter (checkpoint, export or GGUF) and its target converted to GGUF, checked as a pair."""
+def gguf_pair(drafter_path: Path, target_folder: Path, outtype: Optional[str] = None) -> Tuple[Drafter, Path]:
+    """A drafter (checkpoint, export or GGUF) and its target's GGUF (data/gguf_assets.py:served_gguf: the file a GGUF
+    target came from, else the folder converted at `outtype`, f32 by default), checked as a pair."""
     drafter = resolve_drafter(Path(drafter_path), target_folder)
     drafter.target_folder = target_folder
-    target = llamacpp.target_gguf(target_folder, outtype)
+    target = served_gguf(target_folder, outtype)
     check_pair(drafter, target)
     return drafter, target
 
@@ -293,7 +295,7 @@ def run(a) -> Optional[Calibration]:
     if a.target_gguf is None and drafter.target_folder is None:
         raise SpecdrafterError("the drafter's target is not on this machine: give it with --target-gguf (and "
                                "--target-dir for its tokenizer)")
-    target = a.target_gguf or llamacpp.target_gguf(drafter.target_folder)
+    target = a.target_gguf or served_gguf(drafter.target_folder)
     check_pair(drafter, target)
     if not a.plan_only and port_in_use(a.port):  # before minutes of measuring
         raise SpecdrafterError(f"port {a.port} is in use (another server?): choose another with --port")

@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.assets import resolve_target
-from specdrafter.data.gguf_assets import GGUF_SOURCE, paired_gguf
+from specdrafter.data.gguf_assets import served_gguf
 from specdrafter.data.regenerate import generate_dataset
 from specdrafter.inference.llama_server import LlamaServer
 from specdrafter.jobs.cli import cli
@@ -58,11 +58,9 @@ def target_server(cfg: DictConfig) -> LlamaServer:
     if not folder.is_dir():
         raise SpecdrafterError(f"data.engine=llama.cpp converts the target's HF folder, and {cfg.target.model!r} is "
                                "not on this machine (use a local folder, or data.engine=server)")
-    if d.llamacpp.outtype is None and (folder / GGUF_SOURCE).is_file():
-        gguf = paired_gguf(folder)  # a target converted from a GGUF answers as that very file, as its users serve it
-    else:
-        outtype = d.llamacpp.outtype.value if d.llamacpp.outtype is not None else llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
-        gguf = llamacpp.target_gguf(folder, outtype)
+    # a target converted from a GGUF answers as that very file, as its users serve it; any other at the recipe's type
+    gguf = served_gguf(folder, d.llamacpp.outtype.value if d.llamacpp.outtype is not None else None,
+                       default=llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value])
     return LlamaServer(gguf, threads=d.llamacpp.threads or len(os.sched_getaffinity(0)), parallel=d.concurrency,
                        context=d.concurrency * slot_tokens(cfg, folder), extra=["--jinja"])
 

@@ -27,7 +27,9 @@ from specdrafter.data.gguf_assets import (
     convert_gguf,
     ensure_chunked_gguf,
     ensure_gguf_target,
+    gguf_type,
     paired_gguf,
+    served_gguf,
 )
 from specdrafter.jobs.data import target_server
 from specdrafter.jobs.recipe import load_recipe
@@ -236,7 +238,7 @@ def test_a_gguf_target_converts_to_an_hf_folder_that_computes_the_same_model(tin
     # the data job's llama-server answers as the very file the folder came from, unless another type is asked for
     recipe = ("output_dir=" + str(tmp_path / "data"), f"target.model={folder}", "data.engine=llama.cpp")
     assert target_server(load_recipe(REPO / "recipes" / "qwen2.5-coder-1.5b-data.yaml", list(recipe))).model == \
-        cache / "gguf" / "fake.gguf"
+        cache / "gguf" / "fake.gguf" == served_gguf(folder)  # so do specdrafter-serve and the eval job's llama.cpp arm
     (cache / "gguf" / "fake.gguf").unlink()
     with pytest.raises(SpecdrafterError, match=r"was converted from fake\.gguf \(sha256 [0-9a-f]{16}…\), which is not "
                                                r"at .*fake\.gguf: fetch it again"):
@@ -251,3 +253,9 @@ def test_a_failed_conversion_publishes_nothing(tiny_qwen2, tmp_path):
     with pytest.raises(SpecdrafterError, match="could not convert broken.gguf to an HF folder"):
         convert_gguf(broken, tmp_path / "models" / "Broken", None, "0" * 64)
     assert not list((tmp_path / "models").iterdir())
+
+
+@pytest.mark.parametrize("name, kind", [("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "q4_k_m"),
+                                        ("model-Q8_0.gguf", "q8_0"), ("x-bf16.gguf", "bf16"), ("target.gguf", "f32")])
+def test_a_gguf_files_weight_type_is_read_from_its_name(name, kind):
+    assert gguf_type(Path(name)) == kind
