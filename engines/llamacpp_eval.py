@@ -64,12 +64,12 @@ def check_served(cfg: DictConfig) -> None:
 def prepare(cfg: DictConfig, job: EvalJob):
     """(the newest checkpoint of `job` (eval/job.py:eval_job), its drafter as GGUF, the target as GGUF), checked as a
     pair (check_served first)."""
-    newest = job.checkpoints[-1]
+    newest, outtype = job.checkpoints[-1], asked_type(cfg)  # the recipe read before the target is looked up
     folder = target_of(cfg).folder
     if folder is None:
         raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
                                "this machine")
-    drafter, target = gguf_pair(newest.drafter, folder, asked_type(cfg))
+    drafter, target = gguf_pair(newest.drafter, folder, outtype)
     if cfg.eval.llamacpp.p_min_sweep and not has_confidence(drafter):
         raise SpecdrafterError("recipe key 'eval.llamacpp.p_min_sweep': this DSpark drafter has no confidence head to "
                                "cut by (llama-server takes only --spec-draft-p-min 0 for it); leave it empty")
