@@ -15,6 +15,10 @@ residual width d. Narrowing d keeps the trained weights' function as far as a li
 3. an RMSNorm over d coordinates divides by ‖Pᵀx‖/√d instead of ‖x‖/√D: its weight becomes √(D/d), so that where the
    dropped directions carry little, each layer sees what it saw.
 
+For llama.cpp, choose d a multiple of 32 (Q8_0 blocks; 256 for K-quants) as well as of the heads: the converter keeps
+a matrix whose rows do not split into blocks in F16, and a 252-wide Qwen draft cost more than a 448-wide one
+(docs/results). 448 = 14 heads × 32 suits Qwen2.5's 0.5B.
+
 This is the slicing of SliceGPT (Ashkboos et al., 2024) with one rotation for the whole stream instead of one per
 layer. The result is a plain causal LM of the same architecture (config.hidden_size = d, config.head_dim kept; a
 Qwen2 becomes the Llama it is, see QWEN2_ONLY), which training then distils like any draft model.
