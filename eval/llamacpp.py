@@ -41,7 +41,7 @@ from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.eval.acceptance import range_of
 from specdrafter.inference.autotune import MIN_NOISE, PassCosts, expected_tokens, pass_cost, robust_choice
-from specdrafter.inference.llama_server import LlamaServer
+from specdrafter.inference.llama_server import LlamaServer, dies_with_parent
 
 DEPTH = 128  # tokens already in the cache when llama-bench times a pass (a decode step sits after its prompt)
 # A first differing token at T = 0 is a numerical tie when the target's top-2 log-probability margin there (from a
@@ -73,7 +73,7 @@ def measure_v(target: Path, sizes: Sequence[int], threads: int = 1, rounds: int 
 def _bench(target: Path, n: int, threads: int, depth: int) -> List[float]:
     cmd = [str(llamacpp.binary("llama-bench")), "-m", str(target), "-p", str(n), "-n", "0", "-d", str(depth),
            "-r", "1", "-t", str(threads), "-o", "json", *(["--repack", "0"] if llamacpp.amx_repack_crashes() else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=dies_with_parent())  # no orphan if killed
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise SpecdrafterError(f"llama-bench failed on {str(target)!r} (exit {done.returncode}): {last}")

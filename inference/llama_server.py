@@ -114,7 +114,7 @@ class LlamaServer:
         _stop_on_signals()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.process = subprocess.Popen([str(binary), *self.command()], stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_dies_with_this_thread(),
+                                        stdin=subprocess.DEVNULL, preexec_fn=dies_with_parent(),
                                         env={**os.environ, **self.env} if self.env else None)
         _RUNNING[self.process.pid] = self
         try:
@@ -226,7 +226,7 @@ def _stop_on_signals() -> None:
             signal.signal(signum, _on_stop_signal)
 
 
-def _dies_with_this_thread() -> Optional[Callable[[], None]]:
+def dies_with_parent() -> Optional[Callable[[], None]]:
     """Popen's preexec_fn that has the kernel SIGKILL the child when this process ends however it ends, SIGKILL
     included (Linux). The parent-death signal fires when the thread that forked the child ends, so it is set only
     from the main thread, which lives as long as the process (None elsewhere, and off Linux)."""
