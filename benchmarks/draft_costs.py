@@ -14,7 +14,6 @@ the cost does not depend on the weights. Run it on a quiet machine, one process 
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,11 +24,10 @@ from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError, publish_dir, temp_dir_beside
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
-from specdrafter.eval.llamacpp import _bench
+from specdrafter.eval.llamacpp import DEPTH, pass_ms
 from specdrafter.train.drafters import draft_model_from_target
 from specdrafter.train.narrow import narrowed
 
-DEPTH = 128
 SIZES = (1, 2, 3, 5)
 
 
@@ -57,10 +55,6 @@ def cut_gguf(draft_dir: Path, layers: int, outtype: str, out: Path, width: int =
     llamacpp.convert(folder, tmp, outtype=outtype)
     tmp.replace(gguf)
     return gguf
-
-
-def pass_ms(gguf: Path, n: int, threads: int, rounds: int = 3) -> float:
-    return 1e3 * statistics.median(t for _ in range(rounds) for t in _bench(gguf, n, threads, DEPTH))
 
 
 def main() -> None:

@@ -22,23 +22,16 @@ Run it on a quiet machine, one process at a time: llama.cpp's threads spin.
 
 import argparse
 import re
-import statistics
 import sys
 from pathlib import Path
 
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
-from specdrafter.eval.llamacpp import _bench, answer, settled_log, token_ms
+from specdrafter.eval.llamacpp import answer, pass_ms, settled_log, token_ms
 from specdrafter.inference.llama_server import LlamaServer
 
 DRAFT_TIMER = re.compile(r"dur\(b,g,a\) = ([0-9.]+), ([0-9.]+), ([0-9.]+) ms")
-DEPTH = 128
-
-
-def bench_ms(gguf: Path, n: int, threads: int, rounds: int = 3) -> float:
-    """Median milliseconds of one pass over n tokens with DEPTH tokens cached (llama-bench)."""
-    return 1e3 * statistics.median(t for _ in range(rounds) for t in _bench(gguf, n, threads, DEPTH))
 
 
 def prompts_of(tokenizer_dir: Path, count: int):
@@ -63,7 +56,7 @@ def main() -> None:
     prompts = prompts_of(args.target_dir, args.prompts)
     with LlamaServer(args.target, threads=args.threads, extra=poll) as alone:
         target_ms = token_ms([answer(alone, p, args.tokens, ignore_eos=True) for p in prompts])
-    c1 = bench_ms(args.draft, 1, args.threads)
+    c1 = pass_ms(args.draft, 1, args.threads)
     print(f"target alone in llama-server: {target_ms:.1f} ms per token; draft pass over 1 token (llama-bench): "
           f"{c1:.1f} ms; threads {args.threads}, poll {'default' if args.poll is None else args.poll}")
     print(f"{'k':>2} {'step ms':>8} {'= target steps':>14} {'verify':>7} {'drafting':>9} {'(k·c1)':>7} {'re-eval':>8} "
@@ -71,7 +64,7 @@ def main() -> None:
     builds = [("pinned", None, None)] + ([("patched", args.patched, {"LLAMA_SPEC_KEEP_DRAFT_KV": "1"})]
                                          if args.patched else [])
     for k in args.k:
-        verify, reeval = bench_ms(args.target, k + 1, args.threads), bench_ms(args.draft, k + 1, args.threads)
+        verify, reeval = pass_ms(args.target, k + 1, args.threads), pass_ms(args.draft, k + 1, args.threads)
         tokens = {}
         for build, binary, env in builds:
             with LlamaServer(args.target, args.draft, "draft-simple", n_max=k, p_min=0.0, threads=args.threads,

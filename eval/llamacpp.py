@@ -66,11 +66,12 @@ def measure_v(target: Path, sizes: Sequence[int], threads: int = 1, rounds: int 
     for r in range(rounds):
         order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]
         for n in order:
-            times[n].extend(_bench(target, n, threads, depth))
+            times[n].extend(bench_passes(target, n, threads, depth))
     return PassCosts.from_timings(times)
 
 
-def _bench(target: Path, n: int, threads: int, depth: int) -> List[float]:
+def bench_passes(target: Path, n: int, threads: int, depth: int) -> List[float]:
+    """Seconds of each llama-bench pass over n tokens with `depth` tokens cached (one run, after its warm-up)."""
     cmd = [str(llamacpp.binary("llama-bench")), "-m", str(target), "-p", str(n), "-n", "0", "-d", str(depth),
            "-r", "1", "-t", str(threads), "-o", "json", *(["--repack", "0"] if llamacpp.amx_repack_crashes() else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=dies_with_parent())  # no orphan if killed
@@ -78,6 +79,11 @@ def _bench(target: Path, n: int, threads: int, depth: int) -> List[float]:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise SpecdrafterError(f"llama-bench failed on {str(target)!r} (exit {done.returncode}): {last}")
     return [ns / 1e9 for row in json.loads(done.stdout) for ns in row["samples_ns"]]
+
+
+def pass_ms(gguf: Path, n: int, threads: int, depth: int = DEPTH, rounds: int = 3) -> float:
+    """Median milliseconds of a pass over n tokens over `rounds` llama-bench runs (the benchmarks' price of a pass)."""
+    return 1e3 * statistics.median(t for _ in range(rounds) for t in bench_passes(gguf, n, threads, depth))
 
 
 # ---------------------------------------------------------------------------------------------- answers
