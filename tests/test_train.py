@@ -784,6 +784,9 @@ def test_a_draft_model_folder_is_cut_to_the_layers_named(tmp_path, peaky_target,
         recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={peaky_target}",
                "drafter.layers=[0,9]"), Shapes.of(source.config), AutoConfig.from_pretrained)
     assert checks == [(False, f"recipe key 'drafter.layers': {str(peaky_target)!r} has layers 0..3, got 9")]
+    with pytest.raises(SpecdrafterError, match=r"^recipe key 'drafter.layers': .* has layers 0..3, got 9$"):
+        build_drafter(recipe("draft_model", tmp_path / "out", peaky_target, data_dir, f"drafter.path={peaky_target}",
+                             "drafter.layers=[0,9]"), target, tokenizer=smollm2_tokenizer)
 
 
 def test_a_draft_model_is_narrowed_to_drafter_hidden_size(tmp_path, peaky_target, data_dir, target, smollm2_tokenizer):

@@ -210,6 +210,10 @@ class DraftModelDrafter:
                 raise SpecdrafterError(f"draft model {dr.path!r} has another tokenizer than the target: token ids would "
                                        "not mean the same text")
             if dr.layers:  # cut to those of its layers (a smaller model of the target's family, e.g. its first two)
+                have = module.config.num_hidden_layers
+                if any(j >= have for j in dr.layers):
+                    raise SpecdrafterError(f"recipe key 'drafter.layers': {dr.path!r} has layers 0..{have - 1}, got "
+                                           f"{max(dr.layers)}")
                 module = draft_model_from_target(module, list(dr.layers))
         else:  # layers within the target's (kinds/draft.py: planner_checks)
             module = draft_model_from_target(target, list(dr.layers) or list(range(dr.num_layers)))
