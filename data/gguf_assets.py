@@ -266,6 +266,14 @@ def served_gguf(folder: Path, outtype: Optional[str] = None, default: str = "f32
     return llamacpp.target_gguf(Path(folder), outtype or default)
 
 
+def served_type(folder: Path, outtype: Optional[str] = None, default: str = "f32") -> str:
+    """The weight type of the GGUF `served_gguf` serves, without converting anything: the paired file's own type
+    (q4_k_m for Qwen2.5-Coder's file), else the type asked, else `default`."""
+    if outtype is None and (Path(folder) / GGUF_SOURCE).is_file():
+        return gguf_type(paired_gguf(folder))
+    return outtype or default
+
+
 def gguf_type(gguf: Path) -> str:
     """The weight type a GGUF's file name ends with (…-q4_k_m.gguf → q4_k_m), as TIE_MARGIN is keyed; else f32."""
     found = re.search(r"(q\d_k(?:_[sml])?|q\d_\d|bf16|f16|f32)\.gguf$", Path(gguf).name.lower())

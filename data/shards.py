@@ -30,7 +30,10 @@ from specdrafter.core.io import (
     publish_dir,
     temp_dir_beside,
 )
+from specdrafter.core.recipe import Engine
+from specdrafter.data.assets import resolve_target
 from specdrafter.data.conversations import conversation_id
+from specdrafter.data.gguf_assets import served_type
 from specdrafter.models.features import capture_features
 
 log = logging.getLogger("specdrafter")
@@ -89,8 +92,9 @@ def settings_fingerprint(cfg: DictConfig) -> dict:
     for k in ("batch_size", "hidden_states", "num_conversations", "servers", "concurrency", "workers", "worker"):
         d.pop(k, None)
     engine_settings = d.pop("llamacpp")
-    if d["engine"] == "llama.cpp":  # the GGUF's weight type decides the law it samples; its threads do not
-        d["llamacpp.outtype"] = engine_settings["outtype"] or llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value]
+    if cfg.data.engine is Engine.llamacpp:  # the GGUF's weight type decides the law it samples; its threads do not
+        d["llamacpp.outtype"] = served_type(Path(resolve_target(cfg.target.model)), engine_settings["outtype"],
+                                            llamacpp.GGUF_TYPE_OF[cfg.target.dtype.value])
     template = OmegaConf.to_container(cfg.target.chat_template_kwargs)  # absent when unset: older shards still match
     if d["loss_on_thinking"]:
         d.pop("loss_on_thinking")

@@ -30,7 +30,9 @@ from specdrafter.data.gguf_assets import (
     gguf_type,
     paired_gguf,
     served_gguf,
+    served_type,
 )
+from specdrafter.data.shards import settings_fingerprint
 from specdrafter.jobs.data import target_server
 from specdrafter.jobs.recipe import load_recipe
 
@@ -259,3 +261,21 @@ def test_a_failed_conversion_publishes_nothing(tiny_qwen2, tmp_path):
                                         ("model-Q8_0.gguf", "q8_0"), ("x-bf16.gguf", "bf16"), ("target.gguf", "f32")])
 def test_a_gguf_files_weight_type_is_read_from_its_name(name, kind):
     assert gguf_type(Path(name)) == kind
+
+
+def test_shards_record_the_weight_type_of_the_gguf_that_answered(tmp_path):
+    """Shards sampled by llama-server from a converted folder's own GGUF (Qwen2.5-Coder's Q4_K_M) record that file's
+    type, not the type the folder's dtype would be converted to; a type asked for, or a plain folder, as before."""
+    gguf = tmp_path / "gguf" / "target-q4_k_m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / GGUF_SOURCE).write_text(json.dumps({"file": gguf.name, "path": str(gguf), "size": 64, "sha256": "0" * 64}))
+    assert served_type(folder) == "q4_k_m" and served_type(folder, "q8_0") == "q8_0"
+    assert served_type(tmp_path / "gguf", default="bf16") == "bf16"
+    recipe = REPO / "recipes" / "qwen2.5-coder-1.5b-data.yaml"
+    settings = settings_fingerprint(load_recipe(recipe, [f"target.model={folder}", f"output_dir={tmp_path / 'data'}"]))
+    assert settings["data.llamacpp.outtype"] == "q4_k_m"
+    asked = load_recipe(recipe, [f"target.model={folder}", f"output_dir={tmp_path / 'data'}", "data.llamacpp.outtype=f16"])
+    assert settings_fingerprint(asked)["data.llamacpp.outtype"] == "f16"
