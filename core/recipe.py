@@ -303,6 +303,14 @@ class BlockConfig:
 
 
 @dataclass
+class MtpConfig:
+    # drafter.kind=mtp (a target's own MTP layer, train/mtp.py): chained steps trained per position (FastMTP's
+    # recursive steps: step j feeds step j−1's state back and predicts x_{t+j+2}), step j weighted step_decay**j
+    steps: int = checked(3, AT_LEAST_ONE)
+    step_decay: float = checked(0.6, POSITIVE)
+
+
+@dataclass
 class DrafterConfig:
     # the drafter kind: a name of kinds/__init__.py:KINDS, the one place kinds are registered (kinds.check_recipe
     # refuses any other), e.g. self_draft (the target's first `num_layers` layers, training-free), draft_model, medusa,
@@ -328,6 +336,7 @@ class DrafterConfig:
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
     block: BlockConfig = field(default_factory=BlockConfig)
+    mtp: MtpConfig = field(default_factory=MtpConfig)
 
 
 class FeatureMode(Enum):

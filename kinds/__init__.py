@@ -22,9 +22,12 @@ from specdrafter.kinds.block import DFLASH_KIND, DSPARK_KIND
 from specdrafter.kinds.draft import DRAFT_MODEL, SELF_DRAFT
 from specdrafter.kinds.eagle import EAGLE1, EAGLE3
 from specdrafter.kinds.medusa import MEDUSA
+from specdrafter.kinds.mtp import MTP
 
-# In the order a folder's config.json is matched: a draft model (any *ForCausalLM) last.
-KINDS: Dict[str, Kind] = {k.name: k for k in (EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, DRAFT_MODEL, SELF_DRAFT)}
+# In the order a folder's config.json is matched: a target's MTP layer before a draft model (any *ForCausalLM), which
+# is last.
+KINDS: Dict[str, Kind] = {k.name: k for k in (EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, MTP, DRAFT_MODEL,
+                                              SELF_DRAFT)}
 
 __all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "kind_of_gguf", "drafter_path",
            "check_drafter_folder", "build_drafter", "check_recipe", "newest_trained", "feature_layers", "layers_read",

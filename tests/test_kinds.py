@@ -40,7 +40,7 @@ def test_the_table_is_the_one_registration_of_a_kind():
     enums = [e for e in vars(schema).values() if isinstance(e, type) and issubclass(e, schema.Enum) and e is not schema.Enum]
     assert enums and not [e.__name__ for e in enums if len({m.value for m in e} & NAMES) >= 2]
     with pytest.raises(RecipeError, match=r"recipe key 'drafter.kind': Invalid value 'eagle9', expected one of "
-                                          r"\[eagle3, eagle1, medusa, dflash, dspark, draft_model, self_draft\]"):
+                                          rf"\[{', '.join(KINDS)}\]"):
         load_recipe(RECIPES_DIR / "smollm2-135m-eagle3.yaml", ["drafter.kind=eagle9"])
 
 
@@ -89,6 +89,7 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     ({"architectures": ["DSparkDraftModel"], "variant": "dspark"}, "dspark"),  # the name our folders had before
     ({"architectures": ["DSparkDraftModel"], "variant": "dflash"}, None),  # the variant names another architecture
     ({"architectures": ["BertModel"]}, None),
+    ({"architectures": ["Qwen3NextForCausalLM"], "mtp_layout": "qwen3_next"}, "mtp"),  # before any causal LM
 ])
 def test_a_folder_config_names_its_kind(config, name):
     found = kind_of_config(config)
