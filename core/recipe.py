@@ -303,6 +303,20 @@ class BlockConfig:
 
 
 @dataclass
+class PEagleConfig:
+    """P-EAGLE (train/peagle.py, docs/algorithms.md#p-eagle): an EAGLE-3 head (drafter.eagle's layers, vocabulary and
+    norms) that drafts `depths` tokens in one pass; the slots after the first read a learnt hidden state."""
+    depths: int = checked(4, Rule(lambda v: v >= 2, ">= 2 (the first draft and at least one masked slot)"))  # K
+    # COD: depth j trains on max(cod_ratio**j, cod_ratio_min) of a sequence's positions (speculators' defaults)
+    cod_ratio: float = checked(0.7, CUT)
+    cod_ratio_min: float = checked(0.2, SHARE)
+    # An unused row of the target's embedding fed at the masked slots (16: SmolLM2's <empty_output>); training
+    # refuses one that occurs in its data
+    mask_token_id: int = checked(16, NON_NEGATIVE)
+    depth_decay: float = checked(1.0, POSITIVE)  # depth j's loss weight is depth_decay**j (1: all alike, as speculators)
+
+
+@dataclass
 class MtpConfig:
     # drafter.kind=mtp (a target's own MTP layer, train/mtp.py): chained steps trained per position (FastMTP's
     # recursive steps: step j feeds step j−1's state back and predicts x_{t+j+2}), step j weighted step_decay**j
@@ -314,7 +328,7 @@ class MtpConfig:
 class DrafterConfig:
     # the drafter kind: a name of kinds/__init__.py:KINDS, the one place kinds are registered (kinds.check_recipe
     # refuses any other), e.g. self_draft (the target's first `num_layers` layers, training-free), draft_model, medusa,
-    # eagle3, eagle1, dflash, dspark
+    # eagle3, eagle1, peagle, dflash, dspark
     kind: str = "self_draft"
     # Inference: the trained drafter's folder (a checkpoint's `drafter/` or an export) or a draft model's hub id.
     # Training a draft model: optional initial weights (else the target's first `num_layers` layers).
@@ -337,6 +351,7 @@ class DrafterConfig:
     eagle: EagleConfig = field(default_factory=EagleConfig)
     block: BlockConfig = field(default_factory=BlockConfig)
     mtp: MtpConfig = field(default_factory=MtpConfig)
+    peagle: PEagleConfig = field(default_factory=PEagleConfig)
 
 
 class FeatureMode(Enum):

@@ -68,7 +68,7 @@ from specdrafter.export.source import (
 )
 from specdrafter.kinds import KINDS, Kind
 from specdrafter.kinds.base import Family
-from specdrafter.models.eagle import EAGLE31_FLAGS, check_aux_order, eagle31_flags, load_eagle3
+from specdrafter.models.eagle import EAGLE31_FLAGS, check_aux_order, eagle31_flags
 from specdrafter.models.medusa import load_medusa
 
 _ALL_FORMATS = dict.fromkeys(f for k in KINDS.values() for f in k.export.formats)  # in the order the kinds name them
@@ -234,7 +234,7 @@ def write_eagle3(src: Source, folder: Path, target: Target, fmt: str) -> None:
     if not (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
         raise SpecdrafterError(f"{str(src.drafter)!r} has no eagle_config.eagle_aux_hidden_state_layer_ids: the target "
                                "layers it reads are unknown")
-    ids = load_eagle3(src.drafter).aux_layer_ids  # refuses a folder that is not a loadable EAGLE-3 head
+    ids = src.kind.decoding.load(src.drafter).aux_layer_ids  # refuses a folder that is not a loadable head of its kind
     check_aux_order(ids, f"{str(src.drafter)!r}: drafter.eagle.aux_layer_ids", "retrain the head with three "
                     "distinct ids, low to high")
     written = sglang_ids(ids, target) if fmt == "sglang" else ids
@@ -462,8 +462,11 @@ def serving(fmt: str, src: Source, target: Target, model: str) -> List[str]:
             local = f"./{model.split('/')[-1]}"
             lines, model = ["```bash", f"hf download {model} --local-dir {local}", "```", ""], local
         verifier = f"{model}/backbone"
-    spec = json.dumps({"method": {"vllm": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa"}.get(fmt, "draft_model"),
-                       "model": model, "num_speculative_tokens": k})
+    spec = {"method": {"vllm": "eagle3", "speculators": "eagle3", "medusa-vllm": "medusa"}.get(fmt, "draft_model"),
+            "model": model, "num_speculative_tokens": k}
+    if json.loads((src.drafter / "config.json").read_text()).get("parallel_drafting") is True:  # P-EAGLE: K in one pass
+        spec["parallel_drafting"] = True
+    spec = json.dumps(spec)
     vllm = ["vLLM:", "", "```bash", f"vllm serve {verifier} --speculative-config '{spec}'", "```"]
     sglang = ["SGLang:", "", "```bash", f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm "
               + {"sglang": "EAGLE3", "hf-draft": "STANDALONE"}.get(fmt, "") + f" --speculative-draft-model-path {model} "

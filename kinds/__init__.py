@@ -23,10 +23,11 @@ from specdrafter.kinds.draft import DRAFT_MODEL, SELF_DRAFT
 from specdrafter.kinds.eagle import EAGLE1, EAGLE3
 from specdrafter.kinds.medusa import MEDUSA
 from specdrafter.kinds.mtp import MTP
+from specdrafter.kinds.peagle import PEAGLE
 
-# In the order a folder's config.json is matched: a target's MTP layer before a draft model (any *ForCausalLM), which
-# is last.
-KINDS: Dict[str, Kind] = {k.name: k for k in (EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, MTP, DRAFT_MODEL,
+# In the order a folder's config.json is matched: P-EAGLE before EAGLE-3 (its folder is an EAGLE-3 folder that says
+# parallel_drafting), a target's MTP layer before a draft model (any *ForCausalLM), which is last.
+KINDS: Dict[str, Kind] = {k.name: k for k in (PEAGLE, EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, MTP, DRAFT_MODEL,
                                               SELF_DRAFT)}
 
 __all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "kind_of_gguf", "drafter_path",
