@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "data", "eval", "export", "engines", "inference", "jobs", "models", "train", "launch", "benchmarks")
 NAMES = set(KINDS)
 EXPORTS = {  # --format → the kinds it exports
-    "vllm": ["eagle3", "dflash", "dspark"],
+    "vllm": ["peagle", "eagle3", "dflash", "dspark"],
     "sglang": ["eagle3", "dflash", "dspark"],
     "speculators": ["eagle3", "dflash", "dspark"],
     "gguf": ["eagle3", "dflash", "dspark", "draft_model"],
@@ -90,6 +90,7 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     ({"architectures": ["DSparkDraftModel"], "variant": "dflash"}, None),  # the variant names another architecture
     ({"architectures": ["BertModel"]}, None),
     ({"architectures": ["Qwen3NextForCausalLM"], "mtp_layout": "qwen3_next"}, "mtp"),  # before any causal LM
+    ({"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True}, "peagle"),  # before EAGLE-3
 ])
 def test_a_folder_config_names_its_kind(config, name):
     found = kind_of_config(config)

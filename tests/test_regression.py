@@ -41,6 +41,7 @@ RUNS = {  # kind: (recipe, overrides)
     "dflash": ("smollm2-135m-dflash", []),
     "dflash_dpace": ("smollm2-135m-dflash", ["drafter.block.loss_weighting=dpace"]),  # D-PACE's row weights
     "dspark": ("smollm2-135m-dspark", []),
+    "peagle": ("smollm2-135m-peagle", ["drafter.peagle.depths=3"]),  # K = 3: depth 0 and two masked slots, COD
 }
 # Recorded with this file; without one_thread, OMP_NUM_THREADS=1 and 2 gave these very bits as well.
 EXPECTED = {
@@ -52,6 +53,7 @@ EXPECTED = {
     "dflash": [30.8389, 30.5925, 30.8996],
     "dflash_dpace": [16.9659, 16.9793, 16.7856],
     "dspark": [6.88394, 6.75242, 6.71308],
+    "peagle": [2.95053, 2.96297, 2.93300],
 }
 
 
