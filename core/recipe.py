@@ -267,7 +267,7 @@ class BlockLossWeighting(Enum):
 
 @dataclass
 class BlockConfig:
-    """DFlash and DSpark (models/block.py, docs/block-drafters.md)."""
+    """DFlash, DSpark and DFlash2 (models/block.py, docs/block-drafters.md)."""
     num_layers: int = checked(1, AT_LEAST_ONE)  # backbone decoder layers at the target's width
     block_size: int = checked(8, Rule(lambda v: v >= 2, ">= 2 (the anchor and at least one masked slot)"))
     # The target features read: id k is the input to layer k (HF hidden_states[k]), as drafter.eagle.aux_layer_ids;
@@ -298,6 +298,14 @@ class BlockConfig:
     confidence_detach: bool = False
     draft_vocab_size: int = checked(0, NON_NEGATIVE)  # most frequent target tokens of the data; 0 = full vocabulary
     init_from_target: bool = True  # start layer i from the target's layer L − n + i (where the tensors fit)
+    # DFlash2 (drafter.kind=dflash2; docs/algorithms.md#dflash2): the convolution around each sublayer (taps,
+    # channels per dynamic coefficient: a divisor of the width) and the candidate selector (codebook rank,
+    # candidates per draft), whose K-way CE on the true token is added with weight selector_weight
+    conv_kernel_size: int = checked(2, AT_LEAST_ONE)
+    conv_group_size: int = checked(16, AT_LEAST_ONE)
+    selector_rank: int = checked(256, AT_LEAST_ONE)
+    selector_top_k: int = checked(16, Rule(lambda v: v >= 2, ">= 2 (a choice among candidates)"))
+    selector_weight: float = checked(1.0, NON_NEGATIVE)
     # Decoding: how many of the block's drafts each cycle verifies (decided before the target sees them)
     length: BlockLength = BlockLength.fixed
 

@@ -1,4 +1,4 @@
-"""Block drafters (models/block.py: DFlash, DSpark) exported for vLLM, SGLang and the speculators library, through
+"""Block drafters (models/block.py: DFlash, DSpark, DFlash2) exported for vLLM, SGLang and the speculators library, through
 `export/formats.py:export` (docs/formats.md#dflash-and-dspark says where each key and name comes from).
 
     --format vllm, sglang  the layout vLLM (models/qwen3_dflash.py, qwen3_dspark.py) and SGLang (srt/models/dflash.py,
@@ -6,7 +6,9 @@
                            (rope_theta spelled out) + architectures, block_size, num_target_layers, target_hidden_size,
                            draft_vocab_size, dflash_config {mask_token_id, target_layer_ids}; DSpark adds markov_rank,
                            markov_head_type "vanilla", enable_confidence_head, confidence_head_with_markov and
-                           sample_from_anchor true. Tensors under our names.
+                           sample_from_anchor true; DFlash2 adds conv_kernel_size, conv_group_size, selector_rank and
+                           selector_top_k to dflash_config (where vLLM's qwen3_dflash2.py and llama.cpp's converter
+                           read them). Tensors under our names.
     --format speculators   the speculators library's DFlashSpeculator / DSparkSpeculator: speculators_model_type,
                            speculators_config (verifier, speculative_tokens), transformer_layer_config, and
                            aux_hidden_state_layer_ids = our ids (it names a layer's input, as we do); `vllm serve DIR`.
@@ -35,7 +37,7 @@ from safetensors import safe_open
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.core.weights import save_weights
 from specdrafter.export.layer_config import with_rope_keys
-from specdrafter.models.block import BlockDrafter
+from specdrafter.models.block import DEFAULT_SELECTOR, BlockDrafter
 from specdrafter.models.block_folders import load_block_drafter
 
 if TYPE_CHECKING:  # annotations only
@@ -46,7 +48,8 @@ FORMATS = ("vllm", "sglang", "speculators")
 MARKOV_HEAD_TYPE = "vanilla"  # ours: logits += W2(W1[prev]), no gate, no recurrence
 # config.json keys that are not the backbone layer's: ours only, or written again where each layout puts them
 NOT_LAYER = ("variant", "aux_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head", "draft_vocab_size",
-             "block_size", "num_target_layers", "target_hidden_size", "architectures", "_name_or_path")
+             "block_size", "num_target_layers", "target_hidden_size", "architectures", "_name_or_path",
+             *DEFAULT_SELECTOR)
 
 
 # ------------------------------------------------------------------------------------------------ writer
@@ -97,7 +100,9 @@ def engine_keys(export: BlockExport, c) -> dict:
     keys = {"block_size": c.block_size, "num_target_layers": c.num_target_layers,
             "target_hidden_size": c.target_hidden_size or c.hidden_size,
             "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
-            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [k - 1 for k in c.aux_layer_ids]}}
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [k - 1 for k in c.aux_layer_ids],
+                              # DFlash2's sizes, where vLLM's qwen3_dflash2.py and llama.cpp's converter read them
+                              **({k: getattr(c, k) for k in DEFAULT_SELECTOR} if export.variant.selector else {})}}
     return {**keys, **head_keys(export, c)}
 
 
@@ -181,6 +186,12 @@ def target_lm_head(folder: Path) -> Optional[torch.Tensor]:
 def engine_versions(export: BlockExport, fmt: str) -> str:
     """The engine releases that load this folder, as the card's **Engine versions** line says them."""
     e = export.engines
+    if not e.checked:
+        vllm = (f"vLLM {e.vllm_since} (`{e.vllm_file}`, method `{e.method}`; read from its source, not yet loaded by "
+                "the pinned vLLM 0.33.0)")
+        sglang = (f"SGLang {e.sglang_since} (`--speculative-algorithm {e.sglang_algorithm}`; read from its description, "
+                  "not yet loaded by the pinned SGLang 0.5.23)")
+        return sglang if fmt == "sglang" else vllm
     vllm = (f"vLLM {e.vllm_since} or later (`qwen3_{e.method}.py`, method `{e.method}`; checked: 0.32.0 and 0.33.0, "
             "the engines' own loaders on CPU)")
     if fmt == "sglang":

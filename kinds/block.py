@@ -1,4 +1,5 @@
-"""Block drafters (models/block.py): DFlash and DSpark draft a whole block in one pass over several target layers."""
+"""Block drafters (models/block.py): DFlash, DSpark and DFlash2 draft a whole block in one pass over several target
+layers."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from specdrafter.kinds.base import (
 )
 from specdrafter.models.block import (
     DFLASH,
+    DFLASH2,
     DSPARK,
     BlockDrafter,
     Variant,
@@ -46,9 +48,22 @@ class BlockLlamaCpp(LlamaCpp):
     """llama.cpp's DFlash graph, which DSpark extends with its Markov and confidence heads (both GGUFs say `dflash`
     as their architecture; a DSpark one holds Markov tensors)."""
     markov: bool = False  # DSpark
+    selector: bool = False  # DFlash2: the convolutions and the candidate selector
 
     def serves(self, facts: dict) -> bool:
-        return facts["arch"] == self.gguf_arch and self.markov == any("markov" in t for t in facts["tensors"])
+        tensors = facts["tensors"]
+        return (facts["arch"] == self.gguf_arch and self.markov == any("markov" in t for t in tensors)
+                and self.selector == any(t.startswith("selector_") for t in tensors))
+
+    def check_config(self, config: dict) -> None:
+        """llama.cpp packs a DFlash2 block's candidates and their K × K scores into one hidden-size row per slot,
+        and refuses to load a drafter narrower than K·(K + 1)."""
+        K = config.get("dflash_config", {}).get("selector_top_k", 0) if self.selector else 0
+        if K * (K + 1) > config["hidden_size"]:
+            raise SpecdrafterError(f"--format gguf: llama.cpp {SDIST.version} packs a DFlash2 drafter's top-{K} "
+                                   f"candidates and their scores into its hidden size, which must be >= {K * (K + 1)} "
+                                   f"(this one: {config['hidden_size']}); retrain with a smaller "
+                                   "drafter.block.selector_top_k")
 
     def check_target(self, arch: str, description: str) -> None:
         super().check_target(arch, description)
@@ -86,6 +101,8 @@ class BlockEngines:
     vllm_since: str  # the first vLLM release that serves the folder as trained (the model card says it)
     sglang_since: str  # the first SGLang release with the algorithm
     speculators_since: str  # the first speculators release with the model
+    vllm_file: str = ""  # vLLM's model file (empty: qwen3_<method>.py)
+    checked: bool = True  # the conformance run loaded its folders with the pinned engines' own code
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +142,10 @@ class BlockTraining(Training):
 
     def check_recipe(self, cfg: DictConfig) -> None:
         b = cfg.drafter.block
+        if self.variant.selector and b.draft_vocab_size:
+            raise RecipeError(f"recipe key 'drafter.block.draft_vocab_size' ({b.draft_vocab_size}): a dflash2 drafter "
+                              "drafts over the full vocabulary (its selector's codebooks and the engines' top-k read "
+                              "every target id); set 0")
         if b.anchors > cfg.train.max_length - 1:
             raise RecipeError(f"recipe key 'drafter.block.anchors' ({b.anchors}): a sequence of train.max_length "
                               f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")
@@ -231,7 +252,8 @@ def block_conformance(name: str) -> BlockConformance:
                              f"{name}-pruned": [*tiny, "drafter.block.draft_vocab_size=1024"]})
 
 
-def block_kind(variant: Variant, description: str, title: str, engines: BlockEngines, llamacpp: BlockLlamaCpp) -> Kind:
+def block_kind(variant: Variant, description: str, title: str, engines: BlockEngines, llamacpp: BlockLlamaCpp,
+               formats: Tuple[str, ...] = BLOCK_FORMATS) -> Kind:
     """A block drafter kind: `variant` is the model's (models/block.py), and its name the kind's."""
     return Kind(
         variant.name, description, title,
@@ -239,7 +261,7 @@ def block_kind(variant: Variant, description: str, title: str, engines: BlockEng
         training=BlockTraining("block", f"smollm2-135m-{variant.name}.yaml", variant=variant),
         decoding=BlockDecoding(variant=variant),
         planning=BlockPlanning(variant=variant),
-        export=BlockExport(Family.block, BLOCK_FORMATS, card_tag=variant.name, llamacpp=llamacpp, variant=variant,
+        export=BlockExport(Family.block, formats, card_tag=variant.name, llamacpp=llamacpp, variant=variant,
                            engines=engines),
         conformance=block_conformance(variant.name))
 
@@ -254,3 +276,13 @@ DSPARK_KIND = block_kind(DSPARK, "a DSpark block drafter", "DSpark block drafter
                          BlockEngines("dspark", "DSPARK", vllm_since="0.28.0", sglang_since="0.5.16",
                                       speculators_since="0.7.0"),
                          BlockLlamaCpp("draft-dspark", converts="vllm", gguf_arch="dflash", markov=True))
+# vLLM's qwen3_dflash2.py (#52816), SGLang's DFlash2 path (#35371) and llama.cpp's DFlash graph read the vllm folder
+# (architecture DFlash2DraftModel under method/algorithm dflash); not checked against the pinned engines, whose releases
+# may predate those merges (docs/export.md). No speculators format: vLLM reads no speculators dflash2 config.
+DFLASH2_KIND = block_kind(DFLASH2, "a DFlash2 block drafter", "DFlash2 block drafter",
+                          BlockEngines("dflash", "DFLASH", vllm_since="builds with #52816 (merged August 2026)",
+                                       sglang_since="builds with #35371 (merged August 2026)", speculators_since="none",
+                                       vllm_file="qwen3_dflash2.py", checked=False),
+                          BlockLlamaCpp("draft-dflash", converts="vllm", gguf_arch="dflash", pruned_vocab=False,
+                                        selector=True),
+                          formats=("vllm", "sglang"))

@@ -1,4 +1,4 @@
-"""Block drafters (docs/block-drafters.md): DFlash and DSpark, which draft a whole block of tokens in one forward pass
+"""Block drafters (docs/block-drafters.md): DFlash, DSpark and DFlash2, which draft a whole block of tokens in one forward pass
 of a small transformer that reads the target's hidden states.
 
 The backbone. `num_hidden_layers` decoder layers at the target's width, each a Qwen3-style layer (per-head RMSNorm
@@ -16,6 +16,9 @@ The variants. Draft j (0-based) of a block always predicts x_{a+1+j}:
     dspark  label shift, slot k predicts x_{a+k+1}: γ = B drafts, from slots 0..B−1; then a rank-r Markov head,
             logits_j = U_j + W2(W1[prev_j]) with prev_0 = the anchor and prev_j = draft j−1 (the true token in
             training), and a confidence head c_j = σ(proj([h_j ; W1[prev_j]]))
+    dflash2 DFlash's slots, plus a two-sided dynamic convolution along the block around each sublayer
+            (`DynamicConv`) and a candidate selector (`CandidateSelector`): draft j is one of the top K of its slot's
+            logits, scored given the draft before it (the anchor for the first); trained with a K-way CE of its own
 
 Layer ids. `aux_layer_ids` are the project's one convention (models/features.py): id k is the *input* to target
 layer k, HF's `hidden_states[k]`. The engines' `dflash_config.target_layer_ids` name layer outputs (id − 1); the
@@ -25,7 +28,9 @@ after the final norm and the engines' capture loops never reach.
 
 Tensor names are the ones vLLM's DFlashDraftModel loads: layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.
 {q_norm,k_norm}, layers.N.mlp.{gate,up,down}_proj, layers.N.{input_layernorm,post_attention_layernorm}, fc,
-hidden_norm, norm, d2t, t2d; DSpark adds markov_head.{markov_w1,markov_w2} and confidence_head.proj. The target's
+hidden_norm, norm, d2t, t2d; DSpark adds markov_head.{markov_w1,markov_w2} and confidence_head.proj; DFlash2
+layers.N.{attention_conv,mlp_conv}.{base_kernel,kernel_projection} and candidate_selector.{predecessor_codebook,
+successor_codebook,hidden_projection} (vLLM's qwen3_dflash2.py, llama.cpp's DFlash2 tensors). The target's
 embedding and lm_head are passed in and never saved. The folders it is saved as and loaded from, ours and the
 engines': models/block_folders.py.
 """
@@ -56,6 +61,7 @@ class Variant:
     speculators_architecture: str  # the speculators library's class, `architectures` of its folder
     label_shift: bool  # slot k predicts x_{a+k+1} (DSpark: the anchor slot drafts too), else x_{a+k} (DFlash)
     heads: bool  # the Markov and confidence heads exist (by default on)
+    selector: bool = False  # DFlash2: the dynamic convolutions around each sublayer and the candidate selector
     also_named: Tuple[str, ...] = ()  # other architectures a folder of it carries (read, never written)
 
     def named(self, architectures) -> bool:
@@ -69,9 +75,14 @@ DFLASH = Variant("dflash", "DFlashDraftModel", "DFlashSpeculator", label_shift=F
 # unless the config is a qwen3 one)
 DSPARK = Variant("dspark", "Qwen3DSparkModel", "DSparkSpeculator", label_shift=True, heads=True,
                  also_named=("DSparkDraftModel",))
-VARIANTS = {v.name: v for v in (DFLASH, DSPARK)}
+# z-lab's / Inco AI's DFlash2 (vLLM's qwen3_dflash2.py, SGLang's DFlash2 path and llama.cpp's DFlash graph register it)
+DFLASH2 = Variant("dflash2", "DFlash2DraftModel", "DFlash2Speculator", label_shift=False, heads=False, selector=True)
+VARIANTS = {v.name: v for v in (DFLASH, DSPARK, DFLASH2)}
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2's <empty_output>: a special token chat text does not use
 DEFAULT_MARKOV_RANK = 256  # DSpark's; DFlash has no Markov head
+# DFlash2's published sizes (z-lab's Qwen3 checkpoints, the peers' defaults): 2 taps, 16 channels per dynamic
+# coefficient, a rank-256 selector choosing among each draft's top 16
+DEFAULT_SELECTOR = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
 
 
 @strict
@@ -87,6 +98,10 @@ class BlockDrafterConfig(Qwen3Config):
     draft_vocab_size: int | None = None  # None: the full vocabulary
     markov_rank: int = 0  # r of DSpark's Markov head; 0: none
     enable_confidence_head: bool = False  # DSpark's confidence head
+    conv_kernel_size: int = 0  # DFlash2: taps of the convolution around each sublayer (0: none)
+    conv_group_size: int = 0  # DFlash2: channels that share one dynamic tap coefficient
+    selector_rank: int = 0  # DFlash2: rank of the candidate selector's codebooks (0: no selector)
+    selector_top_k: int = 0  # DFlash2: candidates per draft the selector chooses among
 
 
 def config_problem(c: BlockDrafterConfig) -> Optional[str]:
@@ -115,7 +130,27 @@ def config_problem(c: BlockDrafterConfig) -> Optional[str]:
     if c.markov_rank < 0:
         return f"markov_rank = {c.markov_rank}; expected >= 0 (0: no Markov head)"
     if not VARIANTS[c.variant].heads and (c.markov_rank or c.enable_confidence_head):
-        return "a DFlash drafter has no Markov or confidence head (markov_rank 0, enable_confidence_head false)"
+        name = c.variant.replace("dflash", "DFlash")
+        return f"a {name} drafter has no Markov or confidence head (markov_rank 0, enable_confidence_head false)"
+    return selector_problem(c)
+
+
+def selector_problem(c: BlockDrafterConfig) -> Optional[str]:
+    """DFlash2's convolution and selector settings: all set for it, none for the other variants."""
+    sizes = {k: getattr(c, k) for k in DEFAULT_SELECTOR}
+    if not VARIANTS[c.variant].selector:
+        return (None if not any(sizes.values()) else
+                f"a {c.variant} drafter has no convolutions or candidate selector ({', '.join(sizes)} must be 0)")
+    bad = next((k for k, v in sizes.items() if v < 1), None)
+    if bad is not None:
+        return f"{bad} = {sizes[bad]}; a dflash2 drafter needs its convolutions and selector (>= 1)"
+    if c.hidden_size % c.conv_group_size:
+        return f"conv_group_size = {c.conv_group_size} does not divide hidden_size {c.hidden_size}"
+    if c.selector_top_k > c.vocab_size:
+        return f"selector_top_k = {c.selector_top_k} exceeds the vocabulary ({c.vocab_size})"
+    if c.draft_vocab_size is not None and c.draft_vocab_size < c.vocab_size:
+        # the selector's codebooks and the engines' top-k read the target's whole vocabulary (vLLM, llama.cpp)
+        return f"draft_vocab_size = {c.draft_vocab_size}; a dflash2 drafter drafts over the full vocabulary"
     return None
 
 
@@ -139,10 +174,12 @@ def default_aux_layer_ids(num_layers: int, count: int = 5) -> List[int]:
 def block_config(target_config, variant: Variant, num_layers: int = 1, block_size: int = 16,
                  aux_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
                  markov_rank: Optional[int] = None, enable_confidence_head: Optional[bool] = None,
-                 draft_vocab_size: int = 0, num_features: int = 5) -> BlockDrafterConfig:
+                 draft_vocab_size: int = 0, num_features: int = 5,
+                 selector: Optional[Dict[str, int]] = None) -> BlockDrafterConfig:
     """A block drafter of `num_layers` layers with the target's dimensions. aux_layer_ids: layer inputs (None:
     `default_aux_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the variant's own (DSpark
-    256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary."""
+    256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary; selector: DFlash2's sizes
+    (`DEFAULT_SELECTOR`'s keys; None: its defaults), ignored by the other variants."""
     t = target_config
     L = t.num_hidden_layers
     heads = variant.heads
@@ -159,7 +196,8 @@ def block_config(target_config, variant: Variant, num_layers: int = 1, block_siz
         num_target_layers=L, target_hidden_size=t.hidden_size,
         markov_rank=(DEFAULT_MARKOV_RANK if heads else 0) if markov_rank is None else markov_rank,
         enable_confidence_head=heads if enable_confidence_head is None else enable_confidence_head,
-        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None))
+        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None),
+        **({**DEFAULT_SELECTOR, **(selector or {})} if variant.selector else {}))
     check_config(config, "block drafter config")
     return config
 
@@ -218,6 +256,45 @@ class BlockAttention(nn.Module):
         return self.o_proj(out.reshape(B, h, n, hd).transpose(1, 2).reshape(B, n, -1))  # [B, n, d]
 
 
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic depthwise convolution along a block's slots, causal inside the block, around one
+    sublayer: out[i, c] = Σ_t (base[t, c] + δ[i, t, c // group_size]) · x[i − t, c], where a tap reaching before the
+    block's first slot adds nothing. One projection of the sublayer's (normed) input gives δ for both sides: `prepare`
+    convolves that input with side 0 and hands back side 1's δ, with which `finish` convolves the sublayer's output.
+    Starts as the identity (tap 0 = 1, the other taps 0, δ = 0: `BlockDrafter._init_weights`). Tensor names and the
+    δ layout [.., 2, taps, groups] are vLLM's and llama.cpp's."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.groups = kernel_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))  # [side, tap, channel]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
+        """x [B, N·S, d] (N blocks of S = block_size slots), delta [B, N·S, taps, groups] → [B, N·S, d]."""
+        B, n, d = x.shape
+        K, G, S = self.kernel_size, self.groups, block_size
+        slots = x.view(B, n // S, S, G, d // G)  # [B, N, S, G, gs]
+        weight = (self.base_kernel[side].view(K, G, d // G) + delta[..., None]).view(B, n // S, S, K, G, d // G)
+        out = weight[..., 0, :, :] * slots
+        for tap in range(1, min(K, S)):  # slot i reads slot i − tap of its own block, zeros before the first
+            out = out + weight[..., tap, :, :] * F.pad(slots[:, :, :-tap], (0, 0, 0, 0, tap, 0))
+        return out.reshape(B, n, d)
+
+    def prepare(self, x: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        delta = self.kernel_projection(x).view(*x.shape[:2], 2, self.kernel_size, self.groups)  # [B, n, 2, K, G]
+        return self._convolve(x, delta[:, :, 0], 0, block_size), delta[:, :, 1]
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor, block_size: int) -> torch.Tensor:
+        return self._convolve(x, delta, 1, block_size)
+
+
 class BlockDecoderLayer(nn.Module):
     def __init__(self, config: BlockDrafterConfig):
         super().__init__()
@@ -225,11 +302,26 @@ class BlockDecoderLayer(nn.Module):
         self.self_attn = BlockAttention(config)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        convolved = config.conv_kernel_size > 0  # DFlash2
+        self.attention_conv = DynamicConv(config.hidden_size, config.conv_kernel_size,
+                                          config.conv_group_size) if convolved else None
+        self.mlp_conv = DynamicConv(config.hidden_size, config.conv_kernel_size,
+                                    config.conv_group_size) if convolved else None
 
     def forward(self, h: torch.Tensor, rope: KV, context: KV, block_size: int,
                 unseen: Optional[torch.Tensor]) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, context, block_size, unseen)  # [B, n, d]
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attend = lambda x: self.self_attn(x, rope, context, block_size, unseen)  # noqa: E731
+        h = h + self._around(self.attention_conv, attend, self.input_layernorm(h), block_size)  # [B, n, d]
+        return h + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(h), block_size)
+
+    @staticmethod
+    def _around(conv: Optional[DynamicConv], sublayer, x: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The sublayer on x, inside DFlash2's convolutions when the layer has them (the block's own keys and values
+        come from the convolved input; the context's never pass through it)."""
+        if conv is None:
+            return sublayer(x)
+        x, delta = conv.prepare(x, block_size)
+        return conv.finish(sublayer(x), delta, block_size)
 
 
 class MarkovHead(nn.Module):
@@ -248,6 +340,28 @@ class ConfidenceHead(nn.Module):
     def __init__(self, input_size: int):
         super().__init__()
         self.proj = nn.Linear(input_size, 1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's path selector over each draft's top-K candidates (target ids): the score of candidate c after the
+    token p drafted before it, at a slot whose final hidden state is h, is
+        s(p, c) = U(c) + ⟨A[p] ⊙ P·h, B[c]⟩,
+    U the slot's own logits, A and B [V, r] codebooks of predecessors and successors, P: d → r. Tensor names are vLLM's
+    and llama.cpp's (the codebooks bare parameters, not embeddings)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def scores(self, unary: torch.Tensor, candidates: torch.Tensor, hidden: torch.Tensor,
+               prev: torch.Tensor) -> torch.Tensor:
+        """unary [..., K] the logits of candidates [..., K], hidden [..., d] of their slot, prev [...] the token before
+        (target ids) → the candidates' scores [..., K] (float32)."""
+        gate = self.hidden_projection(hidden.to(self.successor_codebook.dtype)) * self.predecessor_codebook[prev]  # [..., r]
+        pair = (self.successor_codebook[candidates] @ gate[..., None])[..., 0]  # [..., K]
+        return unary.float() + pair.float()
 
 
 @dataclass
@@ -306,6 +420,7 @@ class BlockDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(d, config.rms_norm_eps)
         self.markov_head = MarkovHead(V, Vd, r) if r else None
         self.confidence_head = ConfidenceHead(d + r) if config.enable_confidence_head else None
+        self.candidate_selector = CandidateSelector(V, d, config.selector_rank) if config.selector_rank else None
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.full((V,), Vd == V))  # the full vocabulary: the identity maps
         self.rotary_emb = Qwen3RotaryEmbedding(config)
@@ -317,6 +432,11 @@ class BlockDrafter(nn.Module):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, DynamicConv):  # after its projection (apply visits children first): the identity
+            module.reset()
+        if isinstance(module, CandidateSelector):
+            nn.init.normal_(module.predecessor_codebook, std=self.config.initializer_range)
+            nn.init.normal_(module.successor_codebook, std=self.config.initializer_range)
 
     # ---------------------------------------------------------------------------------------- what it reads
     @property
@@ -405,10 +525,16 @@ class BlockDrafter(nn.Module):
         return self._drafts(hidden.view(B, N, S, -1), target)
 
     def heads(self, logits: torch.Tensor, hidden: torch.Tensor, prev: Optional[torch.Tensor],
-              detach_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """DSpark's Markov and confidence heads on backbone drafts: logits [..., Vd], hidden [..., d] and the previous
-        token of each, prev [...] (target ids). Returns (logits [..., Vd], confidence logits [...] or None); DFlash:
-        the logits unchanged. detach_confidence (training): the confidence head reads its inputs detached."""
+              detach_confidence: bool = False, select: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """DSpark's Markov and confidence heads, or DFlash2's candidate selector, on backbone drafts: logits [..., Vd],
+        hidden [..., d] and the previous token of each, prev [...] (target ids). Returns (logits [..., Vd], confidence
+        logits [...] or None); DFlash: the logits unchanged. DFlash2 (with `select`): the selector's scores of the
+        draft's top-K candidates after prev, −inf elsewhere — the row its draft is drawn from and verified with.
+        detach_confidence (training): the confidence head reads its inputs detached."""
+        if self.candidate_selector is not None and select:
+            if prev is None:
+                raise ValueError("a DFlash2 drafter's selector needs the previous token of each draft (prev)")
+            return self.select(logits, hidden, prev), None
         if self.markov_head is None and self.confidence_head is None:
             return logits, None
         if prev is None:
@@ -422,12 +548,20 @@ class BlockDrafter(nn.Module):
                       if self.confidence_head is not None else None)  # [...]
         return logits, confidence
 
+    def select(self, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """DFlash2: logits [..., V] → the selector's scores [..., V] (float32) of their top-K ids after prev [...],
+        −inf off the candidates."""
+        unary, candidates = logits.topk(self.config.selector_top_k, dim=-1)  # [..., K] (full vocabulary: target ids)
+        scores = self.candidate_selector.scores(unary, candidates, hidden, prev)  # [..., K]
+        return torch.full(logits.shape, float("-inf"), device=logits.device).scatter(-1, candidates, scores)
+
     def forward(self, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor, target: nn.Module,
                 prev_ids: Optional[torch.Tensor] = None, fused: bool = False,
                 detach_confidence: bool = False) -> BlockDrafts:
-        """The training pass: `backbone`, then DSpark's heads teacher-forced on prev_ids [B, N, γ] (`teacher_prev`)."""
+        """The training pass: `backbone`, then DSpark's heads teacher-forced on prev_ids [B, N, γ] (`teacher_prev`).
+        DFlash2's logits stay the backbone's: its selector has a loss of its own (train/block.py)."""
         drafts = self.backbone(context, block_ids, anchors, target, fused)
-        logits, confidence = self.heads(drafts.logits, drafts.hidden, prev_ids, detach_confidence)
+        logits, confidence = self.heads(drafts.logits, drafts.hidden, prev_ids, detach_confidence, select=False)
         return BlockDrafts(logits, drafts.hidden, confidence)
 
     # ---------------------------------------------------------------------------------- training inputs

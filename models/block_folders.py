@@ -15,7 +15,14 @@ from transformers import Qwen3Config
 
 from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.weights import read_safetensors, save_config_and_weights
-from specdrafter.models.block import VARIANTS, BlockDrafter, BlockDrafterConfig, Variant, check_config
+from specdrafter.models.block import (
+    DEFAULT_SELECTOR,
+    VARIANTS,
+    BlockDrafter,
+    BlockDrafterConfig,
+    Variant,
+    check_config,
+)
 
 # The engines' folders (export/block.py writes them; z-lab's DFlash and DeepSpec's DSpark checkpoints share the
 # vLLM / SGLang layout), recognised by the Variant's class names.
@@ -56,6 +63,9 @@ def engine_layout(config: dict) -> Optional[dict]:
               "enable_confidence_head")
     ours = {k: v for k, v in layer.items() if k in CONFIG_KEYS}
     ours.update({k: config[k] for k in fields if k in config})
+    if variant.selector:  # DFlash2's sizes: in dflash_config (vLLM, llama.cpp), a top-level key wins as there
+        sizes = {**(config.get("dflash_config") or {}), **config}
+        ours.update({k: sizes[k] for k in DEFAULT_SELECTOR if k in sizes})
     if ours.get("draft_vocab_size") == ours.get("vocab_size"):
         ours["draft_vocab_size"] = None  # the full vocabulary
     ours.pop("rope_theta", None)

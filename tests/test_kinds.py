@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "data", "eval", "export", "engines", "inference", "jobs", "models", "train", "launch", "benchmarks")
 NAMES = set(KINDS)
 EXPORTS = {  # --format → the kinds it exports
-    "vllm": ["peagle", "eagle3", "dflash", "dspark"],
-    "sglang": ["eagle3", "dflash", "dspark"],
+    "vllm": ["peagle", "eagle3", "dflash", "dspark", "dflash2"],
+    "sglang": ["eagle3", "dflash", "dspark", "dflash2"],
     "speculators": ["eagle3", "dflash", "dspark"],
-    "gguf": ["eagle3", "dflash", "dspark", "draft_model"],
+    "gguf": ["eagle3", "dflash", "dspark", "dflash2", "draft_model"],
     "medusa-vllm": ["medusa"],
     "medusa": ["medusa"],
     "hf-draft": ["draft_model"],
@@ -88,6 +88,8 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     ({"architectures": ["Qwen3DSparkModel"], "variant": "dspark"}, "dspark"),
     ({"architectures": ["DSparkDraftModel"], "variant": "dspark"}, "dspark"),  # the name our folders had before
     ({"architectures": ["DSparkDraftModel"], "variant": "dflash"}, None),  # the variant names another architecture
+    ({"architectures": ["DFlash2DraftModel"], "variant": "dflash2"}, "dflash2"),
+    ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"target_layer_ids": [1]}}, "dflash2"),  # vLLM's layout
     ({"architectures": ["BertModel"]}, None),
     ({"architectures": ["Qwen3NextForCausalLM"], "mtp_layout": "qwen3_next"}, "mtp"),  # before any causal LM
     ({"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True}, "peagle"),  # before EAGLE-3

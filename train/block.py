@@ -1,4 +1,4 @@
-"""Training a block drafter (DFlash, DSpark; models/block.py, docs/block-drafters.md).
+"""Training a block drafter (DFlash, DSpark, DFlash2; models/block.py, docs/block-drafters.md).
 
 Each sequence of a batch gets up to `drafter.block.anchors` blocks, at anchor positions a sampled uniformly among
 those whose next token is target-generated too (loss_mask[a] and loss_mask[a + 1]). All blocks of the batch go
@@ -13,6 +13,10 @@ With drafter.block.loss_weighting=dpace each counted draft's rows are weighted b
 DSpark's Markov head is teacher-forced on the true previous token; its confidence head learns the acceptance of its
 draft, BCE(σ(c_j), 1 − TV(p_j, q_j)) with TV at the training temperature and detached, added to the loss with
 weight `drafter.block.confidence_weight`.
+
+DFlash2's logits train as DFlash's; its candidate selector adds a K-way CE of the true token among the draft's top-K
+candidates, scored after the true previous token (`selector_loss`), weighted drafter.block.selector_weight × the
+draft's exp(−j / loss_decay).
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ def drafter_config(cfg: DictConfig, target_config, variant: Variant):
     return block_config(target_config, variant, num_layers=b.num_layers, block_size=b.block_size,
                         aux_layer_ids=list(b.aux_layer_ids) or None, mask_token_id=b.mask_token_id,
                         markov_rank=b.markov_rank if variant.heads else 0,
-                        draft_vocab_size=b.draft_vocab_size, num_features=b.num_features)
+                        draft_vocab_size=b.draft_vocab_size, num_features=b.num_features,
+                        selector=dict(conv_kernel_size=b.conv_kernel_size, conv_group_size=b.conv_group_size,
+                                      selector_rank=b.selector_rank, selector_top_k=b.selector_top_k))
 
 
 def sample_anchors(loss_mask: torch.Tensor, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +94,7 @@ class BlockTrainingDrafter:
         self.confidence_decay, self.confidence_detach = b.confidence_decay, b.confidence_detach
         self.temperature = cfg.train.temperature
         self.dpace_alpha = b.dpace_alpha if b.loss_weighting.value == "dpace" else None
+        self.selector_weight = b.selector_weight if module.candidate_selector is not None else 0.0
         self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
         # jobs/train.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
         self.lr_scales = {"markov_head.": b.markov_lr_scale} if module.markov_head is not None else {}
@@ -142,17 +149,40 @@ class BlockTrainingDrafter:
                 scale = self.confidence_weight * (self.weight(j) if self.confidence_decay else 1.0)
                 confidence = scale * F.binary_cross_entropy_with_logits(
                     drafts.confidence[b, n, j].float(), accept) if len(b) else draft.sum() * 0.0
+            selector = None
+            if self.selector_weight:
+                selector = self.selector_weight * self.weight(j) * selector_loss(
+                    module, draft, drafts.hidden[b, n, j], prev[b, n, j], ids[b, rows[b, n, j] + 1])
             pruned = self.teacher_ids is not None
             weight = self.weight(j) if row_weights is None else 1.0  # D-PACE's row weights replace the decay
             out.append(Prediction(f"draft{j + 1}", weight, draft, teacher, module.draft_ids if pruned else None,
                                   # as EAGLE-3: rows whose top token the draft vocabulary lacks teach it nothing useful
                                   loss_rows=target.top_in_vocab[index] if pruned else None,
-                                  target_lse=lse, confidence_loss=confidence,
+                                  target_lse=lse, confidence_loss=confidence, selector_loss=selector,
                                   row_weights=None if row_weights is None else row_weights[b, n, j]))
         return out
 
     def save(self, module, folder: Path, tokenizer) -> None:
         save_block_drafter(module, folder)
+
+
+def selector_loss(module: BlockDrafter, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor,
+                  gold: torch.Tensor) -> torch.Tensor:
+    """DFlash2's selector objective at R rows of one draft position: the K-way CE of the true token x_{a+1+j} (gold
+    [R]) among the draft's top-K candidates of its logits [R, V], scored after the true previous token (prev [R],
+    teacher-forced: the anchor for the first draft) from the slot's hidden [R, d]. A true token outside the top K
+    replaces the K-th candidate in this loss only (decoding never sees it). The gradient also reaches the backbone
+    through the candidates' logits, as in SpecForge's and speculators' default."""
+    if not len(gold):
+        return logits.sum() * 0.0
+    K = module.config.selector_top_k
+    candidates = logits.detach().topk(K, dim=-1).indices  # [R, K]
+    hit = candidates == gold[:, None]  # [R, K]
+    found = hit.any(-1)  # [R]
+    candidates[:, -1] = torch.where(found, candidates[:, -1], gold)
+    label = torch.where(found, hit.int().argmax(-1), K - 1)  # [R] the true token's place among the candidates
+    scores = module.candidate_selector.scores(logits.gather(-1, candidates), candidates, hidden, prev)  # [R, K]
+    return F.cross_entropy(scores, label)
 
 
 def check_mask_token(mask_token_id: int, data, tokenizer) -> None:

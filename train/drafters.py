@@ -58,6 +58,7 @@ class Prediction:
     loss_rows: Optional[torch.Tensor] = None  # [N] bool: rows the loss uses (None: all; metrics always use all)
     feature_loss: Optional[torch.Tensor] = None  # EAGLE-1's feature regression, weighted, added to the loss as is
     confidence_loss: Optional[torch.Tensor] = None  # DSpark's confidence head BCE, weighted, added to the loss as is
+    selector_loss: Optional[torch.Tensor] = None  # DFlash2's candidate selector CE, weighted, added to the loss as is
     # When set, target_logits hold only the draft vocabulary's rows [N, Vd] and target_lse [N] is the log of the
     # target's normaliser over its *full* vocabulary at the training temperature (see `teacher_rows`).
     target_lse: Optional[torch.Tensor] = None
@@ -75,7 +76,7 @@ class Prediction:
         rows = self.loss_rows
         if rows is None:
             rows = torch.ones(len(teacher), dtype=torch.bool, device=teacher.device)  # [N]
-        extra = sum(term for term in (self.feature_loss, self.confidence_loss) if term is not None)
+        extra = sum(term for term in (self.feature_loss, self.confidence_loss, self.selector_loss) if term is not None)
         if self.row_weights is None:
             value = objective(teacher, self.draft_logits, rows)
             return self.weight * value + extra, value
