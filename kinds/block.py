@@ -253,8 +253,9 @@ def block_conformance(name: str) -> BlockConformance:
 
 
 def block_kind(variant: Variant, description: str, title: str, engines: BlockEngines, llamacpp: BlockLlamaCpp,
-               formats: Tuple[str, ...] = BLOCK_FORMATS) -> Kind:
-    """A block drafter kind: `variant` is the model's (models/block.py), and its name the kind's."""
+               formats: Tuple[str, ...] = BLOCK_FORMATS, conformance: bool = True) -> Kind:
+    """A block drafter kind: `variant` is the model's (models/block.py), and its name the kind's; `conformance`: the
+    pinned engines' own modules check its folders (benchmarks/conformance.py)."""
     return Kind(
         variant.name, description, title,
         recognises=lambda config: block_variant(config) == variant,
@@ -263,7 +264,7 @@ def block_kind(variant: Variant, description: str, title: str, engines: BlockEng
         planning=BlockPlanning(variant=variant),
         export=BlockExport(Family.block, formats, card_tag=variant.name, llamacpp=llamacpp, variant=variant,
                            engines=engines),
-        conformance=block_conformance(variant.name))
+        conformance=block_conformance(variant.name) if conformance else None)
 
 
 # z-lab's layout (qwen3_dflash.py in vLLM, models/dflash.py in SGLang)
@@ -277,12 +278,12 @@ DSPARK_KIND = block_kind(DSPARK, "a DSpark block drafter", "DSpark block drafter
                                       speculators_since="0.7.0"),
                          BlockLlamaCpp("draft-dspark", converts="vllm", gguf_arch="dflash", markov=True))
 # vLLM's qwen3_dflash2.py (#52816), SGLang's DFlash2 path (#35371) and llama.cpp's DFlash graph read the vllm folder
-# (architecture DFlash2DraftModel under method/algorithm dflash); not checked against the pinned engines, whose releases
-# may predate those merges (docs/export.md). No speculators format: vLLM reads no speculators dflash2 config.
+# (architecture DFlash2DraftModel under method/algorithm dflash); not in the conformance run: the pinned engines'
+# releases may predate those merges (docs/export.md). No speculators format: vLLM reads no speculators dflash2 config.
 DFLASH2_KIND = block_kind(DFLASH2, "a DFlash2 block drafter", "DFlash2 block drafter",
                           BlockEngines("dflash", "DFLASH", vllm_since="builds with #52816 (merged August 2026)",
                                        sglang_since="builds with #35371 (merged August 2026)", speculators_since="none",
                                        vllm_file="qwen3_dflash2.py", checked=False),
                           BlockLlamaCpp("draft-dflash", converts="vllm", gguf_arch="dflash", pruned_vocab=False,
                                         selector=True),
-                          formats=("vllm", "sglang"))
+                          formats=("vllm", "sglang"), conformance=False)
