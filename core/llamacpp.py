@@ -67,6 +67,10 @@ CONVERTER_EXTRA = "pip install -e '.[llamacpp]'"
 CONVERTER_MODULES = ("numpy", "torch", "transformers", "safetensors", "sentencepiece")  # what the converter imports
 
 Log = Callable[[str], None]
+# llama-server's speculation without a drafter model (--spec-type NAME alone): drafts looked up from n-grams of the
+# context (ngram-cache: of earlier requests too). spec-default is its --spec-default flag, ngram-mod with its own sizes.
+SPEC_DEFAULT = "spec-default"
+DRAFTLESS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", SPEC_DEFAULT)
 GGUF_TYPE_OF = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # a torch dtype's name → --outtype
 
 

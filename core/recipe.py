@@ -30,6 +30,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specdrafter.core.io import SpecdrafterError, atomic_write_text, first_line
+from specdrafter.core.llamacpp import DRAFTLESS
 
 BUILTIN_TARGETS = ("smollm2-135m-instruct",)
 EVAL_SETS = ("mtbench", "humaneval", "gsm8k")  # the sets the data job keeps out of training (data.exclude)
@@ -88,6 +89,11 @@ DATA_PROMPTS = Rule(lambda v: v in PROMPT_SETS or Path(v).expanduser().is_file()
 PROMPTS = Rule(lambda v: v in PROMPT_SETS or Path(v).expanduser().exists(),
                why=lambda v: f"{v!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an existing JSONL file or "
                              "datasets folder")
+
+
+BASELINE = Rule(lambda v: v in DRAFTLESS or not _looks_local(v) or Path(v).expanduser().is_file(),
+                why=lambda v: f"{v!r} is neither one of llama.cpp's modes without a drafter ({', '.join(DRAFTLESS)}), a "
+                              "built-in model's name nor an existing GGUF file")
 
 
 class DType(Enum):
@@ -515,6 +521,12 @@ class EvalLlamaCppConfig:
     # Extra cells on the first set at T = 0: the drafter at its longest block with llama.cpp's confidence cut
     # (--spec-draft-p-min) at each of these values
     p_min_sweep: List[float] = checked([], CUT)
+    # Arms measured beside the drafter on every set and temperature, each prompt alternating with the target alone
+    # as the drafter's do: llama.cpp's speculation without a drafter (ngram-simple, ngram-map-k, ngram-map-k4v,
+    # ngram-mod, ngram-cache, spec-default: at their own sizes), and draft models users serve (a built-in GGUF model's
+    # name, e.g. qwen2.5-coder-0.5b-instruct, served as its own file, or a drafter GGUF), each at the n_max its own
+    # measured plan picks
+    baselines: List[str] = checked([], BASELINE)
 
 
 ASD_SETTINGS = Rule(lambda v: all(len(s) == 3 and s[0] >= 0 and s[1] >= 0 and s[2] >= 1 for s in v), whole=True,

@@ -30,7 +30,7 @@ on the machine meanwhile.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -38,13 +38,14 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.llamacpp import DRAFTLESS
 from specdrafter.core.recipe import EvalEngine
 from specdrafter.data.chat import user_prompt_ids, with_template_kwargs
-from specdrafter.data.gguf_assets import gguf_type
-from specdrafter.engines.serve import Drafter, gguf_pair, has_confidence, plan
+from specdrafter.data.gguf_assets import GGUF_TARGETS, ensure_gguf_target, gguf_type, paired_gguf
+from specdrafter.engines.serve import Drafter, check_pair, gguf_pair, has_confidence, plan, resolve_drafter
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.eval.job import EvalJob, Results
-from specdrafter.eval.llamacpp import Departure, InexactVerifier, side_by_side
+from specdrafter.eval.llamacpp import Calibration, Departure, InexactVerifier, side_by_side
 from specdrafter.eval.report import write_report
 from specdrafter.export.source import target_of
 from specdrafter.kinds import kind_of
@@ -98,14 +99,21 @@ def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Pat
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k,
                        choice.p_min, list(e.llamacpp.p_min_sweep))
+    others = {b.name: b for b in baselines(cfg, target, drafter.target_folder, threads)}
+    cells += baseline_cells(list(others.values()), list(sets), list(e.temperatures))
+    arm["baselines"] = {b.name: b.to_json() for b in others.values()}
     done = {c["id"] for c in arm["cells"]}
     todo = [c for c in cells if c["id"] not in done]
     log.info(f"llama.cpp arm: {len(cells)} cells ({len(cells) - len(todo)} already in {results.path}), {threads} "
-             f"thread(s) per server, {drafter.spec_type}, the plan's k = {choice.k} (predicted {choice.predicted:.2f}×)")
+             f"thread(s) per server, {drafter.spec_type}, the plan's k = {choice.k} (predicted {choice.predicted:.2f}×)"
+             + (f"; beside it {', '.join(others)}" if others else ""))
     for cell in todo:
+        other = others.get(cell.get("baseline"))
+        gguf, spec_type, measured = ((drafter.gguf, drafter.spec_type, cal) if other is None else
+                                     (other.draft, other.spec_type, other.calibration))
         try:
-            found = side_by_side(target, drafter.gguf, drafter.spec_type, cell["k"], prompts[cell["set"]],
-                                 e.max_new_tokens, cell["temperature"], threads, served, cal,
+            found = side_by_side(target, gguf, spec_type, cell["k"], prompts[cell["set"]],
+                                 e.max_new_tokens, cell["temperature"], threads, served, measured,
                                  log=log.info, raise_inexact=False, p_min=cell["p_min"])
         except SpecdrafterError as error:
             raise SpecdrafterError(f"llama.cpp cell {cell['id']}: {error} (the finished cells are kept in "
@@ -127,6 +135,55 @@ def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Pat
     for line in both_speedups(results.data):
         log.info(line)
     return out
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """An arm beside the drafter (eval.llamacpp.baselines): one of llama.cpp's modes without a drafter, at its own
+    sizes, or a draft model as users serve it, at the n_max its own plan picks (whether or not that pays)."""
+
+    name: str
+    spec_type: str
+    draft: Optional[Path] = None
+    k: Optional[int] = None
+    calibration: Optional[Calibration] = None
+
+    def to_json(self) -> dict:
+        out = {"spec_type": self.spec_type, "draft": None if self.draft is None else str(self.draft), "k": self.k}
+        if self.calibration is not None:
+            out["choice"] = asdict(self.calibration.choose())
+            out["calibration"] = self.calibration.to_json()
+        return out
+
+
+def baselines(cfg: DictConfig, target: Path, folder: Path, threads: int) -> List[Baseline]:
+    """eval.llamacpp.baselines, resolved: a draft model is fetched (a built-in name), checked against the target
+    (vocabulary) and planned on this machine (cached), one line for a name that is neither."""
+    found = []
+    for name in cfg.eval.llamacpp.baselines:
+        if name in DRAFTLESS:
+            found.append(Baseline(name, name))
+            continue
+        path = paired_gguf(ensure_gguf_target(name)) if name in GGUF_TARGETS else Path(name).expanduser()
+        if not path.is_file():
+            raise SpecdrafterError(f"recipe key 'eval.llamacpp.baselines': {name!r} is neither one of llama.cpp's modes "
+                                   f"without a drafter ({', '.join(DRAFTLESS)}), a built-in model "
+                                   f"({', '.join(GGUF_TARGETS)}) nor a GGUF file")
+        other = resolve_drafter(path, folder)
+        other.target_folder = folder
+        check_pair(other, target)
+        cal = plan(other, target, threads)
+        choice = cal.choose()
+        log.info(f"baseline {name}: its plan picks k = {choice.k}, predicted {choice.predicted:.2f}×")
+        found.append(Baseline(name, other.spec_type, other.gguf, choice.k, cal))
+    return found
+
+
+def baseline_cells(others: List[Baseline], sets: List[str], temperatures: List[float]) -> List[dict]:
+    """Each baseline on each set at each temperature, at its k (None: llama.cpp's own sizes)."""
+    return [{"id": f"{b.name}|{name}|T={float(t)}|{ENGINE}|k={b.k if b.k is not None else 'own'}", "checkpoint": None,
+             "baseline": b.name, "set": name, "temperature": float(t), "k": b.k, "p_min": 0.0, "sweep": False}
+            for b in others for name in sets for t in temperatures]
 
 
 def plan_cells(checkpoint: str, sets: List[str], temperatures: List[float], k: int, k_sweep: List[int],
@@ -166,7 +223,7 @@ def both_speedups(data: dict) -> List[str]:
                      is not None else "") + f", α {c['alpha']:.3f}, τ {c['tau']:.2f}, predicted "
                      f"{c['predicted_speedup']}× ({c['checkpoint']})")
     arm = data.get("llamacpp") or {}
-    cells = [c for c in arm.get("cells", []) if not c["sweep"] and c["temperature"] == 0]
+    cells = [c for c in arm.get("cells", []) if not c["sweep"] and c["temperature"] == 0 and not c.get("baseline")]
     if cells:
         c, choice = cells[0], arm["choice"]
         spread = "" if c["speedup_range"] is None else f" (range {c['speedup_range']})"  # one prompt: no spread

@@ -342,7 +342,7 @@ def departure(i: int, prompt: Sequence[int], alone: Sequence[int], drafted: Sequ
 class ArmResult:
     """One cell of the llama.cpp arm: the same prompts without and with the drafter, alternating."""
 
-    k: int
+    k: Optional[int]  # None: an n-gram mode at llama.cpp's own sizes
     temperature: float
     prompts: int
     tokens: int
@@ -360,7 +360,8 @@ class ArmResult:
     p_min: float = 0.0  # llama.cpp's confidence cut (0: every step drafts k)
 
 
-def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Sequence[Sequence[int]], tokens: int,
+def side_by_side(target: Path, draft: Optional[Path], spec_type: str, k: Optional[int],
+                 prompts: Sequence[Sequence[int]], tokens: int,
                  temperature: float = 0.0, threads: int = 1, outtype: str = "f32",
                  calibration: Optional[Calibration] = None, log=print, raise_inexact: bool = True,
                  p_min: float = 0.0) -> ArmResult:
@@ -370,10 +371,12 @@ def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Seq
 
     The predicted speedup is the cost model's at the acceptance measured here: τ ÷ (v(k+1) + c(k)) with the
     calibration's costs, as the loop's cells predict theirs from their own α (with a confidence cut p_min, the
-    step cost the calibration measured at that cut)."""
+    step cost the calibration measured at that cut). Without a drafter (`draft` None: one of llama.cpp's n-gram
+    modes, core/llamacpp.py:DRAFTLESS) and with k None, llama.cpp drafts at its own sizes and nothing is predicted."""
     alone, drafted, ratios, departures = [], [], [], []
     with LlamaServer(target, threads=threads) as base, \
-            LlamaServer(target, draft, spec_type, n_max=k, p_min=p_min, threads=threads) as spec:
+            LlamaServer(target, draft, spec_type, n_max=k, p_min=p_min if draft is not None else None,
+                        threads=threads) as spec:
         for i, p in enumerate(prompts):
             a, d = answer(base, p, tokens, temperature, seed=i), answer(spec, p, tokens, temperature, seed=i)
             alone.append(a)
@@ -393,7 +396,7 @@ def side_by_side(target: Path, draft: Path, spec_type: str, k: int, prompts: Seq
         None,
         None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])
     result.p_min = p_min
-    if calibration is not None:
+    if calibration is not None and k is not None:
         result.predicted_speedup = round(result.tau / calibration.step_cost(k, p_min), 3)
     if raise_inexact:
         check_exact(result)

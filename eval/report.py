@@ -135,11 +135,13 @@ def llamacpp_section(data: dict) -> List[str]:
                        f"tokens per step at {c['step_cost']:.2f} target steps" for c in cal.get("cuts", []))
              + f". The plan picks k = {choice['k']}"
              + (f" with p_min {choice['p_min']:g}" if choice.get("p_min") else "")
-             + f", predicted {choice['predicted']:.2f}×, which {pays} (timing noise ±{100 * choice['noise']:.0f} %).",
+             + f", predicted {choice['predicted']:.2f}×, which {pays} (timing noise ±{100 * choice['noise']:.0f} %)."
+             + "".join(baseline_note(name, b) for name, b in arm.get("baselines", {}).items()),
              "",
-             cell_table(sorted(arm["cells"], key=lambda c: (c["sweep"], c["set"], c["temperature"], c["k"],
-                                                            c.get("p_min", 0.0))), [
-                 ("set", "set"), ("T", "temperature"), ("k", "k"), ("p_min", lambda c: c.get("p_min") or "–"),
+             cell_table(sorted(arm["cells"], key=lambda c: (c.get("baseline") or "", c["sweep"], c["set"],
+                                                            c["temperature"], c["k"] or 0, c.get("p_min", 0.0))), [
+                 ("arm", lambda c: c.get("baseline") or "the drafter"), ("set", "set"), ("T", "temperature"),
+                 ("k", lambda c: "own" if c["k"] is None else c["k"]), ("p_min", lambda c: c.get("p_min") or "–"),
                  ("α", "alpha"), ("τ", "tau"),
                  ("target tok/s", "alone_tokens_per_s"), ("drafted tok/s", "drafted_tokens_per_s"),
                  ("speedup", "speedup_median"), ("range", "speedup_range"), ("predicted", "predicted_speedup"),
@@ -154,6 +156,16 @@ def llamacpp_section(data: dict) -> List[str]:
                   f"({'tie' if d['tie'] else 'clear: the verifier is inexact'})" for c, d in departures]
         lines.append("")
     return lines
+
+
+def baseline_note(name: str, b: dict) -> str:
+    """What a baseline arm of the llama.cpp table is, and the setting it ran at."""
+    if b.get("draft") is None:
+        return f" Arm {name}: llama.cpp's --spec-type {b['spec_type']} without a drafter, at its own sizes." \
+            if name != "spec-default" else " Arm spec-default: llama-server's --spec-default (ngram-mod, its sizes)."
+    c = b["choice"]
+    return (f" Arm {name}: the draft model {Path(b['draft']).name} at k = {b['k']}, the best its own plan found "
+            f"(predicted {c['predicted']:.2f}×, {'pays' if c['pays'] else 'does not pay'}).")
 
 
 def asd_audit(data: dict, out: Path) -> List[dict]:

@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.core.llamacpp import DRAFTLESS, SPEC_DEFAULT
 
 STOP_S = 10.0
 _RUNNING: Dict[int, "LlamaServer"] = {}  # pid → server, stopped at exit or on SIGTERM / SIGHUP
@@ -65,8 +66,11 @@ class LlamaServer:
                  n_max: Optional[int] = None, p_min: Optional[float] = None, threads: int = 1, context: int = 4096,
                  port: Optional[int] = None, parallel: int = 1, extra: Sequence[str] = (), startup_s: float = 120.0,
                  binary: Optional[Path] = None, env: Optional[Dict[str, str]] = None):
-        if (draft is None) != (spec_type is None):
-            raise SpecdrafterError("a drafter GGUF needs its --spec-type, and a --spec-type its drafter GGUF")
+        if draft is not None and spec_type is None:
+            raise SpecdrafterError("a drafter GGUF needs its --spec-type")
+        if draft is None and spec_type is not None and spec_type not in DRAFTLESS:
+            raise SpecdrafterError(f"--spec-type {spec_type} needs its drafter GGUF (without one llama.cpp drafts by "
+                                   f"{', '.join(DRAFTLESS)})")
         self.model, self.draft, self.spec_type, self.n_max, self.p_min = Path(model), draft, spec_type, n_max, p_min
         self.threads, self.context, self.parallel, self.extra, self.startup_s = threads, context, parallel, extra, startup_s
         self.port = port
@@ -86,8 +90,11 @@ class LlamaServer:
                 "--parallel", str(self.parallel), "--no-webui"]
         if llamacpp.amx_repack_crashes():
             args.append("--no-repack")
-        if self.draft is not None:
-            args += ["-md", str(self.draft), "--spec-type", self.spec_type]
+        if self.spec_type == SPEC_DEFAULT:
+            args.append("--spec-default")
+        elif self.spec_type is not None:
+            args += (["-md", str(self.draft)] if self.draft is not None else []) + ["--spec-type", self.spec_type]
+        if self.spec_type is not None:
             if self.n_max is not None:
                 args += ["--spec-draft-n-max", str(self.n_max)]
             if self.p_min is not None:

@@ -12,6 +12,7 @@ from conftest import RECIPES, REPO, TINY
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
+from specdrafter.data.gguf_assets import served_gguf
 from specdrafter.engines.evaluate import evaluate
 from specdrafter.engines.llamacpp_eval import plan_cells
 from specdrafter.eval.report import write_report
@@ -59,6 +60,35 @@ def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, ggu
     with caplog.at_level("INFO", logger="specdrafter"):
         evaluate(cfg)  # a rerun measures nothing again
     assert f"({len(ids)} already in" in caplog.text
+
+
+def test_baselines_run_beside_the_drafter_each_at_its_own_setting(drafter_run_of, gguf_target_dir, quick_plan):
+    """eval.llamacpp.baselines: an n-gram mode (no drafter, llama.cpp's sizes) and a draft model users serve, here the
+    target's own GGUF drafting for itself (a draft that agrees with the target: its plan's k, all of it accepted at
+    T = 0), each prompt alternating with the target alone, T = 0 identical, in the same table."""
+    run = drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=0")
+    itself = served_gguf(gguf_target_dir)
+    cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[llama.cpp]", "eval.temperatures=[0]",
+                 "eval.k_sweep=[]", f"eval.llamacpp.baselines=[ngram-mod,{itself}]")
+    out = evaluate(cfg)
+    arm = json.loads((out / "results.json").read_text())["llamacpp"]
+    cells = {c.get("baseline"): c for c in arm["cells"]}
+    assert set(cells) == {None, "ngram-mod", str(itself)}
+    mode, draft = cells["ngram-mod"], cells[str(itself)]
+    assert mode["k"] is None and mode["predicted_speedup"] is None and mode["exact"] and mode["identical"] == 2
+    assert arm["baselines"]["ngram-mod"] == {"spec_type": "ngram-mod", "draft": None, "k": None}
+    own = arm["baselines"][str(itself)]
+    assert own["spec_type"] == "draft-simple" and draft["k"] == own["k"] == own["choice"]["k"]
+    assert draft["alpha"] > 0.9 and draft["exact"] and draft["predicted_speedup"] > 0
+    report = (out / "report.md").read_text()
+    assert "| ngram-mod | mtbench | 0 | own |" in report and "Arm ngram-mod: llama.cpp's --spec-type ngram-mod" in report
+    assert f"the draft model {itself.name} at k = {own['k']}, the best its own plan found" in report
+
+
+def test_a_baseline_that_is_neither_a_mode_nor_a_file_is_one_line(tmp_path, gguf_target_dir):
+    with pytest.raises(SpecdrafterError, match=r"eval.llamacpp.baselines.*'\./ngram-moo' is neither one of llama.cpp's "
+                                               r"modes without a drafter \(ngram-simple"):
+        recipe("eagle3", tmp_path, gguf_target_dir, "eval.llamacpp.baselines=[./ngram-moo]")
 
 
 def test_a_drafter_llamacpp_cannot_serve_is_refused_before_the_loop(tmp_path, gguf_target_dir):
