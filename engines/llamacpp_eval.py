@@ -236,4 +236,10 @@ def both_speedups(data: dict) -> List[str]:
         lines.append(f"llama.cpp's plan: k = {choice['k']}{cut}, predicted {choice['predicted']:.2f}×: " +
                      ("serve it with the drafter" if choice["pays"] else
                       "it does not pay here, specdrafter-serve serves the target alone"))
+        for name in arm.get("baselines", {}):  # beside it, on the same set at T = 0
+            c = next((c for c in arm["cells"] if c.get("baseline") == name and c["set"] == cells[0]["set"]
+                      and c["temperature"] == 0), None)
+            if c is not None:
+                lines.append(f"  beside it, {name}: k={'own' if c['k'] is None else c['k']}: "
+                             f"{c['speedup_median']:.2f}×, α {c['alpha']:.3f}, identical {c['identical']}/{c['prompts']}")
     return lines

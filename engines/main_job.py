@@ -1,7 +1,12 @@
 """The README's main job in one command (launch/main_job.py): data, training, evaluation in our loop and in
 llama.cpp, both speedups.
 
-    python launch/main_job.py [key=value ...] [--serve]
+    python launch/main_job.py [--pairing NAME] [key=value ...] [--serve]
+
+--pairing picks the target and drafter (PAIRINGS): smollm2-135m (the default, below) or qwen2.5-coder-1.5b, the
+pairing local users run: Qwen2.5-Coder-1.5B-Instruct's official Q4_K_M file in llama.cpp with a draft model cut from
+the stock 0.5B and distilled with total variation (recipes/qwen2.5-coder-1.5b-data.yaml, -draft.yaml), evaluated in
+llama.cpp beside the stock 0.5B at its best n_max and llama.cpp's n-gram modes (the draft recipe's eval section).
 
 1. the data job (recipes/smollm2-135m-data.yaml): the SmolLM2 target converted from its PyPI wheel, 512 ShareGPT
    conversations teacher-forced through it, its hidden states cached;
@@ -21,7 +26,9 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
@@ -29,7 +36,23 @@ from specdrafter.engines.llamacpp_build import install
 from specdrafter.engines.llamacpp_eval import both_speedups
 from specdrafter.jobs.recipe import load_recipe
 
-DATA, TRAIN = "recipes/smollm2-135m-data.yaml", "recipes/smollm2-135m-eagle3.yaml"
+
+@dataclass(frozen=True)
+class Pairing:
+    """A target and the drafter trained for it: the data and training recipes, and the eval job's engines (None: the
+    training recipe's own eval section)."""
+
+    data: str
+    train: str
+    engines: Optional[str] = "[loop,llama.cpp]"
+
+
+PAIRINGS = {
+    "smollm2-135m": Pairing("recipes/smollm2-135m-data.yaml", "recipes/smollm2-135m-eagle3.yaml"),
+    "qwen2.5-coder-1.5b": Pairing("recipes/qwen2.5-coder-1.5b-data.yaml", "recipes/qwen2.5-coder-1.5b-draft.yaml",
+                                  engines=None),
+}
+USAGE = f"usage: python launch/main_job.py [--pairing {'|'.join(PAIRINGS)}] [key=value ...] [--serve] [--help]"
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -57,11 +80,19 @@ def main(repo: Path, argv=None) -> None:
     if "--help" in argv or "-h" in argv:
         print(__doc__.strip())
         return
+    argv, name = list(argv), "smollm2-135m"
+    if "--pairing" in argv:
+        at = argv.index("--pairing")
+        name = argv[at + 1] if at + 1 < len(argv) else ""
+        if name not in PAIRINGS:
+            sys.exit(f"{USAGE} (--pairing {name!r}: one of {', '.join(PAIRINGS)})")
+        del argv[at:at + 2]
+    pairing = PAIRINGS[name]
     serve = "--serve" in argv
     overrides = [a for a in argv if a != "--serve"]
     bad = [a for a in overrides if "=" not in a]
     if bad:
-        sys.exit(f"usage: python launch/main_job.py [key=value ...] [--serve] [--help] (got {bad[0]!r})")
+        sys.exit(f"{USAGE} (got {bad[0]!r})")
     if not native_bf16():  # emulated bf16 is many times slower than fp32 (training: 56 s a step instead of 1.5)
         fp32 = [a for a in ("target.dtype=float32", "train.precision=fp32")
                 if not any(o.startswith(a.split("=")[0] + "=") for o in overrides)]
@@ -70,7 +101,7 @@ def main(repo: Path, argv=None) -> None:
             overrides += fp32
     start = time.monotonic()
     try:
-        run = Path(load_recipe(repo / TRAIN, overrides).output_dir)  # a bad override: one line, before anything runs
+        run = Path(load_recipe(repo / pairing.train, overrides).output_dir)  # a bad override: one line, before anything runs
         run = run if run.is_absolute() else repo / run
         if not llamacpp.installed():
             print("== llama.cpp is not built yet: building it once into the cache (minutes)", flush=True)
@@ -78,10 +109,10 @@ def main(repo: Path, argv=None) -> None:
         llamacpp.converter()  # its Python modules: one line now rather than after training
     except SpecdrafterError as e:
         sys.exit(f"error: {e}")
-    step("data", "specdrafter.jobs.data", DATA, overrides, repo)
-    step("training", "specdrafter.jobs.train", TRAIN, overrides, repo)
-    step("evaluation (our loop, then llama.cpp)", "specdrafter.engines.evaluate", TRAIN,
-         [f"checkpoint={run}", "eval.engines=[loop,llama.cpp]", *overrides], repo)
+    step("data", "specdrafter.jobs.data", pairing.data, overrides, repo)
+    step("training", "specdrafter.jobs.train", pairing.train, overrides, repo)
+    engines = [f"eval.engines={pairing.engines}"] if pairing.engines else []
+    step("evaluation", "specdrafter.engines.evaluate", pairing.train, [f"checkpoint={run}", *engines, *overrides], repo)
     results = run / "eval" / "results.json"
     data = json.loads(results.read_text())
     print(f"\nThe main job took {(time.monotonic() - start) / 60:.1f} min. Speedups over the target alone, "

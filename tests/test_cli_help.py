@@ -16,7 +16,16 @@ def test_the_main_job_prints_its_usage_for_help():
                               text=True, cwd=REPO, timeout=300)
         assert done.returncode == 0 and "error" not in done.stderr
         assert done.stdout.startswith("The README's main job in one command")
-        assert "python launch/main_job.py [key=value ...] [--serve]" in done.stdout
+        assert "python launch/main_job.py [--pairing NAME] [key=value ...] [--serve]" in done.stdout
+        assert "qwen2.5-coder-1.5b, the\npairing local users run" in done.stdout
+
+
+def test_the_main_job_names_its_pairings_for_an_unknown_one():
+    done = subprocess.run([sys.executable, str(REPO / "launch" / "main_job.py"), "--pairing", "llama-70b"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        "usage: python launch/main_job.py [--pairing smollm2-135m|qwen2.5-coder-1.5b] [key=value ...] [--serve] "
+        "[--help] (--pairing 'llama-70b': one of smollm2-135m, qwen2.5-coder-1.5b)"]
 
 
 def test_serve_help_gives_the_port_its_help_and_default(capsys):

@@ -14,7 +14,7 @@ from specdrafter.core import llamacpp
 from specdrafter.core.io import SpecdrafterError
 from specdrafter.data.gguf_assets import served_gguf
 from specdrafter.engines.evaluate import evaluate
-from specdrafter.engines.llamacpp_eval import plan_cells
+from specdrafter.engines.llamacpp_eval import both_speedups, plan_cells
 from specdrafter.eval.report import write_report
 from specdrafter.jobs.recipe import load_recipe
 
@@ -71,8 +71,10 @@ def test_baselines_run_beside_the_drafter_each_at_its_own_setting(drafter_run_of
     cfg = recipe("eagle3", run, gguf_target_dir, "eval.engines=[llama.cpp]", "eval.temperatures=[0]",
                  "eval.k_sweep=[]", f"eval.llamacpp.baselines=[ngram-mod,{itself}]")
     out = evaluate(cfg)
-    arm = json.loads((out / "results.json").read_text())["llamacpp"]
+    data = json.loads((out / "results.json").read_text())
+    arm = data["llamacpp"]
     cells = {c.get("baseline"): c for c in arm["cells"]}
+    assert any(line.startswith("  beside it, ngram-mod: k=own: ") for line in both_speedups(data))
     assert set(cells) == {None, "ngram-mod", str(itself)}
     mode, draft = cells["ngram-mod"], cells[str(itself)]
     assert mode["k"] is None and mode["predicted_speedup"] is None and mode["exact"] and mode["identical"] == 2
