@@ -515,9 +515,10 @@ class EvalLlamaCppConfig:
     # llama.cpp's threads per server. Its worker threads spin while they wait: on a shared machine use 1, and run
     # nothing else meanwhile.
     threads: int = checked(1, AT_LEAST_ONE)
-    # the target's GGUF: None = the file a GGUF target was converted from (Qwen2.5-Coder's Q4_K_M), else f32; the
-    # drafter's is always f32, as trained
+    # the target's GGUF: None = the file a GGUF target was converted from (Qwen2.5-Coder's Q4_K_M), else f32
     outtype: Optional[GGUFType] = None
+    # the drafter's GGUF: f32 as trained, or q8_0 as draft models are served (a draft pass reads its whole head)
+    drafter_type: GGUFType = GGUFType.f32
     # Extra cells on the first set at T = 0: the drafter at its longest block with llama.cpp's confidence cut
     # (--spec-draft-p-min) at each of these values
     p_min_sweep: List[float] = checked([], CUT)

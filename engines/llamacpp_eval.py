@@ -70,7 +70,7 @@ def prepare(cfg: DictConfig, job: EvalJob):
     if folder is None:
         raise SpecdrafterError(f"the llama.cpp arm converts the target's HF folder, and {cfg.target.model!r} is not on "
                                "this machine")
-    drafter, target = gguf_pair(newest.drafter, folder, outtype)
+    drafter, target = gguf_pair(newest.drafter, folder, outtype, cfg.eval.llamacpp.drafter_type.value)
     if cfg.eval.llamacpp.p_min_sweep and not has_confidence(drafter):
         raise SpecdrafterError("recipe key 'eval.llamacpp.p_min_sweep': this DSpark drafter has no confidence head to "
                                "cut by (llama-server takes only --spec-draft-p-min 0 for it); leave it empty")

@@ -46,7 +46,7 @@ from specdrafter.data.chat import user_prompt_ids
 from specdrafter.data.gguf_assets import served_gguf
 from specdrafter.eval.llamacpp import CONFIDENCE_CUTS, Calibration, calibrate
 from specdrafter.export.formats import export
-from specdrafter.export.gguf import DRAFT_FILE, read_gguf, write_gguf
+from specdrafter.export.gguf import DRAFT_FILE, GGUF_TYPES, OUTTYPE, read_gguf, write_gguf
 from specdrafter.export.source import Source, find_source, target_of
 from specdrafter.inference.llama_server import LlamaServer, port_in_use
 from specdrafter.kinds import KINDS, Kind, kind_of_gguf
@@ -90,13 +90,15 @@ def drafter_kind(gguf: Path, facts: dict) -> Kind:
     return kind
 
 
-def resolve_drafter(path: Path, target_dir: Optional[Path] = None) -> Drafter:
+def resolve_drafter(path: Path, target_dir: Optional[Path] = None, outtype: str = OUTTYPE) -> Drafter:
     """DRAFTER as a GGUF with its facts (a checkpoint, or an export llama.cpp's converter reads, is converted first,
-    once). `target_dir`: the target's HF folder, where the drafter's recipe names none on this machine."""
+    once, at weight type `outtype`). `target_dir`: the target's HF folder, where the drafter's recipe names none on
+    this machine."""
     folder = None
     if path.is_dir() and not (path / DRAFT_FILE).is_file():
         fmt = export_format(path)
-        path, folder = export_checkpoint(path) if fmt is None else convert_export(path, fmt, target_dir)
+        path, folder = export_checkpoint(path, outtype) if fmt is None else convert_export(path, fmt, target_dir,
+                                                                                             outtype)
     gguf = path / DRAFT_FILE if path.is_dir() else path
     if not gguf.is_file():
         raise SpecdrafterError(f"{str(path)!r} is not a drafter GGUF, an export folder with {DRAFT_FILE}, "
@@ -109,14 +111,15 @@ def resolve_drafter(path: Path, target_dir: Optional[Path] = None) -> Drafter:
     return Drafter(gguf, kind, facts, folder)
 
 
-def export_checkpoint(path: Path) -> Tuple[Path, Optional[Path]]:
-    """The GGUF export of the newest checkpoint at `path`, written beside it once, and the target's folder."""
+def export_checkpoint(path: Path, outtype: str = OUTTYPE) -> Tuple[Path, Optional[Path]]:
+    """The GGUF export of the newest checkpoint at `path` (weights of type `outtype`), written beside it once, and
+    the target's folder."""
     src = find_source(path)
     beside = src.drafter.parent if src.drafter.name == "drafter" else src.drafter  # the checkpoint holding drafter/
-    out = beside / "gguf"
+    out = beside / ("gguf" if outtype == OUTTYPE else f"gguf-{outtype}")
     if not (out / DRAFT_FILE).is_file():
         print(f"exporting {path} to GGUF ({out})", flush=True)
-        export(path, "gguf", out)
+        export(path, "gguf", out, gguf_type=outtype)
     return out, target_of(src.recipe).folder
 
 
@@ -127,7 +130,8 @@ def export_format(folder: Path) -> Optional[str]:
     return found.group(1) if found else None
 
 
-def convert_export(folder: Path, fmt: str, target_dir: Optional[Path]) -> Tuple[Path, Optional[Path]]:
+def convert_export(folder: Path, fmt: str, target_dir: Optional[Path],
+                   outtype: str = OUTTYPE) -> Tuple[Path, Optional[Path]]:
     """An export folder converted to GGUF once, into the cache, when it is in the layout llama.cpp's converter reads
     for its kind (export/gguf.py: the kind's `converts`): the same conversion and checks as `--format gguf`, from the
     export's files as they are. Any other format is refused in one line naming the folder and what to pass instead.
@@ -148,13 +152,14 @@ def convert_export(folder: Path, fmt: str, target_dir: Optional[Path]) -> Tuple[
         raise SpecdrafterError(f"{str(folder)!r} is converted to GGUF beside its target's config and tokenizer, and "
                                f"its target {target.name!r} is not on this machine: give its HF folder with --target-dir")
     files = sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors"))
-    out = cache_dir() / "llama.cpp" / "drafters" / f"{folder.name}-{llamacpp.files_key(files)[:12]}"
+    key = llamacpp.files_key(files, "" if outtype == OUTTYPE else outtype)[:12]
+    out = cache_dir() / "llama.cpp" / "drafters" / f"{folder.name}-{key}"
     if not (out / DRAFT_FILE).is_file():
         print(f"converting the --format {fmt} export {folder} to GGUF with llama.cpp's converter (cached: {out})",
               flush=True)
         tmp = temp_dir_beside(out)
         try:
-            write_gguf(src, tmp, replace(target, folder=target_folder), copy_export)
+            write_gguf(src, tmp, replace(target, folder=target_folder), copy_export, outtype)
             publish_dir(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -188,10 +193,12 @@ def check_pair(drafter: Drafter, target: Path) -> dict:
     return t
 
 
-def gguf_pair(drafter_path: Path, target_folder: Path, outtype: Optional[str] = None) -> Tuple[Drafter, Path]:
-    """A drafter (checkpoint, export or GGUF) and its target's GGUF (data/gguf_assets.py:served_gguf: the file a GGUF
-    target came from, else the folder converted at `outtype`, f32 by default), checked as a pair."""
-    drafter = resolve_drafter(Path(drafter_path), target_folder)
+def gguf_pair(drafter_path: Path, target_folder: Path, outtype: Optional[str] = None,
+              drafter_type: str = OUTTYPE) -> Tuple[Drafter, Path]:
+    """A drafter (checkpoint, export or GGUF; one converted here at `drafter_type`) and its target's GGUF
+    (data/gguf_assets.py:served_gguf: the file a GGUF target came from, else the folder converted at `outtype`, f32 by
+    default), checked as a pair."""
+    drafter = resolve_drafter(Path(drafter_path), target_folder, drafter_type)
     drafter.target_folder = target_folder
     target = served_gguf(target_folder, outtype)
     check_pair(drafter, target)
@@ -267,6 +274,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                    "(--spec-draft-p-min; 0 drafts k tokens every step)")
     p.add_argument("--port", type=int, default=8080, help="the port llama-server listens on (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp's threads (1 on a shared machine)")
+    p.add_argument("--drafter-type", default=OUTTYPE, choices=GGUF_TYPES,
+                   help="a checkpoint or export is converted to GGUF at this weight type (default %(default)s, as "
+                        "trained; q8_0: as draft models are served)")
     p.add_argument("--replan", action="store_true", help="measure again instead of using the cached plan")
     p.add_argument("--plan-only", action="store_true", help="print the plan and the advice, serve nothing")
     a = p.parse_args(argv)
@@ -283,7 +293,7 @@ def run(a) -> Optional[Calibration]:
     if not 0 <= a.p_min < 1 or (a.p_min and a.k is None):
         raise SpecdrafterError(f"--p-min {a.p_min:g}: a confidence cut in [0, 1), given with --k (without --k the "
                                "plan chooses both)")
-    drafter = resolve_drafter(a.drafter, a.target_dir)
+    drafter = resolve_drafter(a.drafter, a.target_dir, a.drafter_type)
     if a.target_dir is not None:
         drafter.target_folder = a.target_dir
     if a.k is not None and not 1 <= a.k <= drafter.max_k:

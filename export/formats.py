@@ -57,7 +57,7 @@ from specdrafter.core.weights import save_weights
 from specdrafter.eval.acceptance import speedup_of
 from specdrafter.export import block as block_export
 from specdrafter.export.engines import check_engine_target
-from specdrafter.export.gguf import read_gguf, write_gguf
+from specdrafter.export.gguf import GGUF_TYPES, OUTTYPE, read_gguf, write_gguf
 from specdrafter.export.gguf import serving as gguf_serving
 from specdrafter.export.layer_config import with_rope_keys
 from specdrafter.export.source import (
@@ -115,12 +115,14 @@ def scrub(value):
 
 # ------------------------------------------------------------------------------------------------ export
 def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, overwrite: bool = False,
-           repo_id: Optional[str] = None) -> Path:
+           repo_id: Optional[str] = None, gguf_type: str = OUTTYPE) -> Path:
     """Write the drafter of `checkpoint` in format `fmt` to `out` (built in a temp folder beside it, scanned for
     local paths and tokens, then renamed into place). `repo_id` only names the model in the card's commands."""
     out = Path(out).expanduser()
     if fmt not in FORMATS:
         raise SpecdrafterError(f"unknown format {fmt!r} (valid: {', '.join(FORMATS)})")
+    if gguf_type != OUTTYPE and (fmt != "gguf" or gguf_type not in GGUF_TYPES):
+        raise SpecdrafterError(f"--gguf-type {gguf_type}: a weight type of --format gguf ({', '.join(GGUF_TYPES)})")
     src = find_source(checkpoint)
     check_kind(src, fmt)
     if src.drafter.resolve().is_relative_to(out.resolve()):
@@ -132,7 +134,7 @@ def export(checkpoint: str | os.PathLike, fmt: str, out: str | os.PathLike, over
     try:
         write = WRITERS[src.kind.export.family].write
         if fmt == "gguf":  # the kind's convertible folder through llama.cpp's own converter
-            write_gguf(src, tmp, target, write)
+            write_gguf(src, tmp, target, write, gguf_type)
         else:
             write(src, tmp, target, fmt)
         if (src.drafter / "backbone").is_dir():  # Medusa-2: the heads read this fine-tuned backbone, not the target

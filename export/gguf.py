@@ -27,7 +27,10 @@ if TYPE_CHECKING:  # annotations only
     from specdrafter.export.source import Source, Target
 
 DRAFT_FILE = "draft.gguf"
-OUTTYPE = "f32"  # the drafter's weights are trained in fp32; f32 keeps the exported logits ours
+OUTTYPE = "f32"  # the default: the drafter's weights are trained in fp32; f32 keeps the exported logits ours
+# the weight types a drafter GGUF may take (--gguf-type): q8_0 is what users serve a draft model as; its draft is
+# another distribution than the trained one, which exact verification accepts like any other
+GGUF_TYPES = ("f32", "bf16", "f16", "q8_0")
 # config.json keys the converter copies into `<arch>.<key>` (conversion/llama.py), which change the graph it builds
 CONVERTED_FLAGS = ("norm_before_fc", "norm_before_residual")
 # gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes
@@ -50,7 +53,7 @@ print(json.dumps({"arch": arch, "target_layers": [int(layers.parts[i][0]) for i 
 """
 
 
-def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
+def write_gguf(src: Source, folder: Path, target: Target, write_layout, outtype: str = OUTTYPE) -> None:
     """draft.gguf in `folder`: `write_layout(src, stage, target, fmt)` writes the kind's convertible folder, which
     llama.cpp's converter reads with the target's own folder beside it (its config and tokenizer). The kind's
     `export.llamacpp` record says what is checked before and after."""
@@ -70,7 +73,7 @@ def write_gguf(src: Source, folder: Path, target: Target, write_layout) -> None:
         write_layout(src, stage, target, engine.converts)
         config = json.loads((stage / "config.json").read_text())
         engine.check_config(config)
-        llamacpp.convert(stage, folder / DRAFT_FILE, target.folder, OUTTYPE)
+        llamacpp.convert(stage, folder / DRAFT_FILE, target.folder, outtype)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     check_gguf(folder / DRAFT_FILE, engine.trained_layers(config), config)

@@ -35,6 +35,18 @@ def test_each_kind_llamacpp_serves_converts_reading_the_trained_layers(tmp_path,
 
 
 @needs_llamacpp
+def test_a_draft_model_exports_at_q8_0_as_users_serve_draft_models(tmp_path, drafter_run_of):
+    """--gguf-type q8_0: the converter quantises the matrices (a quarter of f32's bytes, 8.5 bits a weight);
+    another format with a weight type is one line."""
+    run = drafter_run_of("draft_model")
+    f32, q8 = export(run, "gguf", tmp_path / "f32"), export(run, "gguf", tmp_path / "q8", gguf_type="q8_0")
+    assert read_gguf(q8 / DRAFT_FILE)["arch"] == "llama"
+    assert (q8 / DRAFT_FILE).stat().st_size < 0.45 * (f32 / DRAFT_FILE).stat().st_size
+    with pytest.raises(SpecdrafterError, match=r"^--gguf-type q8_0: a weight type of --format gguf \(f32, bf16"):
+        export(run, "vllm", tmp_path / "vllm", gguf_type="q8_0")
+
+
+@needs_llamacpp
 def test_a_pruned_eagle3_vocabulary_survives_conversion(tmp_path, drafter_run_of):
     out = export(drafter_run_of("eagle3", "drafter.eagle.draft_vocab_size=1024"), "gguf", tmp_path / "pruned")
     d2t = {name: shape for name, shape in read_gguf(out / DRAFT_FILE)["tensors"].items() if name.endswith("d2t")}
