@@ -273,7 +273,7 @@ class BlockLossWeighting(Enum):
 
 @dataclass
 class BlockConfig:
-    """DFlash, DSpark and DFlash2 (models/block.py, docs/block-drafters.md)."""
+    """DFlash, DSpark, DFlash2 and Domino (models/block.py, docs/block-drafters.md)."""
     num_layers: int = checked(1, AT_LEAST_ONE)  # backbone decoder layers at the target's width
     block_size: int = checked(8, Rule(lambda v: v >= 2, ">= 2 (the anchor and at least one masked slot)"))
     # The target features read: id k is the input to layer k (HF hidden_states[k]), as drafter.eagle.aux_layer_ids;
@@ -312,6 +312,15 @@ class BlockConfig:
     selector_rank: int = checked(256, AT_LEAST_ONE)
     selector_top_k: int = checked(16, Rule(lambda v: v >= 2, ">= 2 (a choice among candidates)"))
     selector_weight: float = checked(1.0, NON_NEGATIVE)
+    # Domino (drafter.kind=domino; docs/algorithms.md#domino): the GRU's width, the correction's hidden width (the
+    # engines' emb_dim) and how many first drafts stay uncorrected (pure_draft_prefix_len); the uncorrected logits'
+    # own objective, weighted base_weight at the start and falling linearly to 0 over base_decay of the run
+    # (SpecForge's lambda_base_start and lambda_base_decay_ratio), while the corrected ones get the rest
+    gru_hidden_dim: int = checked(1024, AT_LEAST_ONE)
+    correction_dim: int = checked(256, AT_LEAST_ONE)
+    uncorrected_drafts: int = checked(1, NON_NEGATIVE)
+    base_weight: float = checked(1.0, Rule(lambda v: 0 <= v <= 1, "in [0, 1]"))
+    base_decay: float = checked(1.0, Rule(lambda v: 0 <= v <= 1, "in [0, 1]"))
     # Decoding: how many of the block's drafts each cycle verifies (decided before the target sees them)
     length: BlockLength = BlockLength.fixed
 

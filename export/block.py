@@ -1,5 +1,5 @@
-"""Block drafters (models/block.py: DFlash, DSpark, DFlash2) exported for vLLM, SGLang and the speculators library, through
-`export/formats.py:export` (docs/formats.md#dflash-and-dspark says where each key and name comes from).
+"""Block drafters (models/block.py: DFlash, DSpark, DFlash2, Domino) exported for vLLM, SGLang and the speculators
+library, through `export/formats.py:export` (docs/formats.md#dflash-and-dspark says where each key and name comes from).
 
     --format vllm, sglang  the layout vLLM (models/qwen3_dflash.py, qwen3_dspark.py) and SGLang (srt/models/dflash.py,
                            dspark.py) load, z-lab's DFlash and DeepSpec's DSpark checkpoints: our Qwen3 layer config
@@ -8,7 +8,9 @@
                            markov_head_type "vanilla", enable_confidence_head, confidence_head_with_markov and
                            sample_from_anchor true; DFlash2 adds conv_kernel_size, conv_group_size, selector_rank and
                            selector_top_k to dflash_config (where vLLM's qwen3_dflash2.py and llama.cpp's converter
-                           read them). Tensors under our names.
+                           read them); Domino is a DFlashDraftModel folder whose dflash_config adds projector_type
+                           "domino", gru_hidden_dim, emb_dim, pure_draft_prefix_len and shift_label true (where vLLM's
+                           qwen3_dflash.py and SGLang's DFlash worker read them). Tensors under our names.
     --format speculators   the speculators library's DFlashSpeculator / DSparkSpeculator: speculators_model_type,
                            speculators_config (verifier, speculative_tokens), transformer_layer_config, and
                            aux_hidden_state_layer_ids = our ids (it names a layer's input, as we do); `vllm serve DIR`.
@@ -37,7 +39,7 @@ from safetensors import safe_open
 from specdrafter.core.io import SpecdrafterError, atomic_write_json
 from specdrafter.core.weights import save_weights
 from specdrafter.export.layer_config import with_rope_keys
-from specdrafter.models.block import DEFAULT_SELECTOR, BlockDrafter
+from specdrafter.models.block import DEFAULT_CORRECTION, DEFAULT_SELECTOR, BlockDrafter
 from specdrafter.models.block_folders import load_block_drafter
 
 if TYPE_CHECKING:  # annotations only
@@ -49,7 +51,7 @@ MARKOV_HEAD_TYPE = "vanilla"  # ours: logits += W2(W1[prev]), no gate, no recurr
 # config.json keys that are not the backbone layer's: ours only, or written again where each layout puts them
 NOT_LAYER = ("variant", "aux_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head", "draft_vocab_size",
              "block_size", "num_target_layers", "target_hidden_size", "architectures", "_name_or_path",
-             *DEFAULT_SELECTOR)
+             *DEFAULT_SELECTOR, *DEFAULT_CORRECTION)
 
 
 # ------------------------------------------------------------------------------------------------ writer
@@ -102,8 +104,16 @@ def engine_keys(export: BlockExport, c) -> dict:
             "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [k - 1 for k in c.aux_layer_ids],
                               # DFlash2's sizes, where vLLM's qwen3_dflash2.py and llama.cpp's converter read them
-                              **({k: getattr(c, k) for k in DEFAULT_SELECTOR} if export.variant.selector else {})}}
+                              **({k: getattr(c, k) for k in DEFAULT_SELECTOR} if export.variant.selector else {}),
+                              **(correction_keys(export, c) if export.variant.projector else {})}}
     return {**keys, **head_keys(export, c)}
+
+
+def correction_keys(export: BlockExport, c) -> dict:
+    """Domino's, in dflash_config: the projector the engines' DFlash path switches on, its sizes, and that slot k
+    predicts x_{a+k+1} (shift_label; SpecForge's default is false)."""
+    return {"projector_type": export.variant.projector, **{k: getattr(c, k) for k in DEFAULT_CORRECTION},
+            "shift_label": export.variant.label_shift}
 
 
 def head_keys(export: BlockExport, c) -> dict:

@@ -1,4 +1,5 @@
-"""Decoding with a block drafter (DFlash, DSpark; models/block.py): one backbone pass drafts the whole block.
+"""Decoding with a block drafter (DFlash, DSpark, DFlash2, Domino; models/block.py): one backbone pass drafts the whole
+block.
 
 The drafter's cache holds the fused target features of every committed position but the newest, whose features the
 target has not produced yet: that token is the block's anchor. The loop hands over the features of the newly
@@ -7,7 +8,8 @@ cached.
 
 Exactness (docs/algorithms.md): each draft is drawn from the q row it is verified with, with fresh randomness.
 DFlash's rows are the backbone's marginals, drawn independently; DSpark's are the Markov-corrected rows given the
-draft drawn before (the anchor for the first), drawn left to right. At T = 0 each draft is its row's argmax. How many
+draft drawn before (the anchor for the first), drawn left to right; Domino's are the corrected rows given every draft
+drawn before, its GRU state carried from draft to draft. At T = 0 each draft is its row's argmax. How many
 drafts are verified is fixed (inference.k), or decided draft by draft from the confidence head before each draft
 is drawn (inference/autotune.py:ConfidenceLength) — never from what the target says.
 """
@@ -76,8 +78,11 @@ class BlockProposer:
         block = d.draft_block(self.cache, anchor, self.target, self.head)  # logits [1, γ, Vd], hidden [1, γ, d]
         draft_ids = d.draft_ids
         prev, indices, rows, confidences = anchor, [], [], []
+        state = None  # Domino's GRU state over the anchor and the drafts so far (None for the other variants)
         for j in range(min(k, d.num_drafts)):
-            logits, confidence = d.heads(block.logits[:, j], block.hidden[:, j], prev)  # [1, Vd], [1] or None
+            state = d.read(state, prev, self.target)  # [1, 1, g] or None
+            logits, confidence = d.heads(block.logits[:, j], block.hidden[:, j], prev, state=state,
+                                         draft=j)  # [1, Vd], [1] or None
             if self.confidence_length is not None:
                 confidences.append(float(torch.sigmoid(confidence.float())))
                 if j and not self.confidence_length.keep(confidences):  # decided before draft j is drawn (always one draft)
@@ -85,7 +90,7 @@ class BlockProposer:
             index, q = draw(logits[0].float().cpu(), params, generator)  # q [Vd] or None (greedy)
             indices.append(index)
             rows.append(q)
-            prev = draft_ids[index:index + 1]  # the Markov head's previous token, a target id
+            prev = draft_ids[index:index + 1]  # the heads' previous token, a target id
         if self.confidence_length is not None:
             self.confidence_length.update(time.perf_counter() - start)
         tokens = draft_ids.cpu()[indices]  # [n]

@@ -365,6 +365,8 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
     tc = run.cfg.train
     step_began = time.perf_counter()
     names: List[str] = []  # the drafter's predictions, in the order micro_batch_loss returns them
+    if hasattr(run.drafter, "at_step"):  # a loss that follows the run's progress (Domino's decaying base share)
+        run.drafter.at_step(step, run.total)
     logged = []  # per micro-batch [1 + P]: its loss and each prediction's objective, detached, read once per step
     for micro in range(tc.grad_accum):
         g = step * tc.grad_accum + micro  # global micro-batch counter: fixes the data, whatever was resumed

@@ -18,7 +18,7 @@ from specdrafter.core.recipe import RecipeError, load_saved_recipe
 from specdrafter.core.weights import check_model_folder
 from specdrafter.inference.tree import tree_from_choices
 from specdrafter.kinds.base import ArmSpec, Kind
-from specdrafter.kinds.block import DFLASH2_KIND, DFLASH_KIND, DSPARK_KIND
+from specdrafter.kinds.block import DFLASH2_KIND, DFLASH_KIND, DOMINO_KIND, DSPARK_KIND
 from specdrafter.kinds.draft import DRAFT_MODEL, SELF_DRAFT
 from specdrafter.kinds.eagle import EAGLE1, EAGLE3
 from specdrafter.kinds.medusa import MEDUSA
@@ -27,8 +27,8 @@ from specdrafter.kinds.peagle import PEAGLE
 
 # In the order a folder's config.json is matched: P-EAGLE before EAGLE-3 (its folder is an EAGLE-3 folder that says
 # parallel_drafting), a target's MTP layer before a draft model (any *ForCausalLM), which is last.
-KINDS: Dict[str, Kind] = {k.name: k for k in (PEAGLE, EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, DFLASH2_KIND, MTP,
-                                              DRAFT_MODEL, SELF_DRAFT)}
+KINDS: Dict[str, Kind] = {k.name: k for k in (PEAGLE, EAGLE3, EAGLE1, MEDUSA, DFLASH_KIND, DSPARK_KIND, DFLASH2_KIND,
+                                              DOMINO_KIND, MTP, DRAFT_MODEL, SELF_DRAFT)}
 
 __all__ = ["KINDS", "ArmSpec", "Kind", "kind_of", "kind_of_config", "kind_of_gguf", "drafter_path",
            "check_drafter_folder", "build_drafter", "check_recipe", "newest_trained", "feature_layers", "layers_read",

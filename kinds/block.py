@@ -1,10 +1,10 @@
-"""Block drafters (models/block.py): DFlash, DSpark and DFlash2 draft a whole block in one pass over several target
-layers."""
+"""Block drafters (models/block.py): DFlash, DSpark, DFlash2 and Domino draft a whole block in one pass over several
+target layers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -28,6 +28,7 @@ from specdrafter.kinds.base import (
 from specdrafter.models.block import (
     DFLASH,
     DFLASH2,
+    DOMINO,
     DSPARK,
     BlockDrafter,
     Variant,
@@ -114,8 +115,9 @@ class BlockExport(Export):
 
     def drafts_per_block(self, block_size: int) -> int:
         """γ of a block of `block_size` slots: DFlash's anchor slot drafts nothing, DSpark's does (label shift).
-        The engines' num_speculative_tokens."""
-        return drafts_per_block(self.variant, block_size)
+        The engines' num_speculative_tokens. Domino's engines draft B − 1 from its B slots (SGLang #36899: 15 for
+        block size 16; SpecForge's own sampler likewise), the last slot's draft unused."""
+        return drafts_per_block(self.variant, block_size) - (1 if self.variant.projector else 0)
 
 
 def drafts_per_block(variant: Variant, block_size: int) -> int:
@@ -146,6 +148,13 @@ class BlockTraining(Training):
             raise RecipeError(f"recipe key 'drafter.block.draft_vocab_size' ({b.draft_vocab_size}): a dflash2 drafter "
                               "drafts over the full vocabulary (its selector's codebooks and the engines' top-k read "
                               "every target id); set 0")
+        if self.variant.projector and b.draft_vocab_size:
+            raise RecipeError(f"recipe key 'drafter.block.draft_vocab_size' ({b.draft_vocab_size}): a domino drafter "
+                              "drafts over the full vocabulary (its correction's output layer, as the engines load it, "
+                              "spans every target id); set 0")
+        if self.variant.projector and b.uncorrected_drafts >= b.block_size:
+            raise RecipeError(f"recipe key 'drafter.block.uncorrected_drafts' ({b.uncorrected_drafts}): a block has "
+                              f"{b.block_size} drafts, and at least one must be corrected (0..{b.block_size - 1})")
         if b.anchors > cfg.train.max_length - 1:
             raise RecipeError(f"recipe key 'drafter.block.anchors' ({b.anchors}): a sequence of train.max_length "
                               f"{cfg.train.max_length} has at most {cfg.train.max_length - 1} anchor positions")
@@ -252,7 +261,7 @@ def block_conformance(name: str) -> BlockConformance:
                              f"{name}-pruned": [*tiny, "drafter.block.draft_vocab_size=1024"]})
 
 
-def block_kind(variant: Variant, description: str, title: str, engines: BlockEngines, llamacpp: BlockLlamaCpp,
+def block_kind(variant: Variant, description: str, title: str, engines: BlockEngines, llamacpp: Optional[BlockLlamaCpp],
                formats: Tuple[str, ...] = BLOCK_FORMATS, conformance: bool = True) -> Kind:
     """A block drafter kind: `variant` is the model's (models/block.py), and its name the kind's; `conformance`: the
     pinned engines' own modules check its folders (benchmarks/conformance.py)."""
@@ -287,3 +296,11 @@ DFLASH2_KIND = block_kind(DFLASH2, "a DFlash2 block drafter", "DFlash2 block dra
                           BlockLlamaCpp("draft-dflash", converts="vllm", gguf_arch="dflash", pruned_vocab=False,
                                         selector=True),
                           formats=("vllm", "sglang"), conformance=False)
+# Domino: vLLM's qwen3_dflash.py (DominoHead, #47627's line of work) and SGLang's DFlash V2 worker (#36899) read the vllm
+# folder — a DFlash folder whose dflash_config says projector_type "domino" — but not the pinned releases as far as we
+# checked (docs/export.md). llama.cpp 11434 has no GRU in its DFlash graph or converter: no gguf. No speculators format.
+DOMINO_KIND = block_kind(DOMINO, "a Domino block drafter", "Domino block drafter",
+                         BlockEngines("dflash", "DFLASH", vllm_since="builds with Domino's DFlash path (main, 2026)",
+                                      sglang_since="builds with #36899 (merged August 2026)", speculators_since="none",
+                                      vllm_file="qwen3_dflash.py", checked=False),
+                         None, formats=("vllm", "sglang"), conformance=False)

@@ -1,5 +1,5 @@
-"""Block drafters (docs/block-drafters.md): DFlash, DSpark and DFlash2, which draft a whole block of tokens in one forward pass
-of a small transformer that reads the target's hidden states.
+"""Block drafters (docs/block-drafters.md): DFlash, DSpark, DFlash2 and Domino, which draft a whole block of tokens in one
+forward pass of a small transformer that reads the target's hidden states.
 
 The backbone. `num_hidden_layers` decoder layers at the target's width, each a Qwen3-style layer (per-head RMSNorm
 on queries and keys). The target features — the inputs of the target layers `aux_layer_ids` — are concatenated
@@ -19,6 +19,10 @@ The variants. Draft j (0-based) of a block always predicts x_{a+1+j}:
     dflash2 DFlash's slots, plus a two-sided dynamic convolution along the block around each sublayer
             (`DynamicConv`) and a candidate selector (`CandidateSelector`): draft j is one of the top K of its slot's
             logits, scored given the draft before it (the anchor for the first); trained with a K-way CE of its own
+    domino  DSpark's label shift (γ = B drafts) without its heads, plus a causal correction of the logits: a GRU
+            (no bias) reads the target's embeddings of the anchor and the drafts so far, and from draft
+            pure_draft_prefix_len on, logits_j = U_j + W_b·SiLU(W_a·[h_j ; g_j]) with g_j its state after the
+            token before draft j (the true tokens in training; `DominoCorrection`)
 
 Layer ids. `aux_layer_ids` are the project's one convention (models/features.py): id k is the *input* to target
 layer k, HF's `hidden_states[k]`. The engines' `dflash_config.target_layer_ids` name layer outputs (id − 1); the
@@ -30,7 +34,8 @@ Tensor names are the ones vLLM's DFlashDraftModel loads: layers.N.self_attn.{q,k
 {q_norm,k_norm}, layers.N.mlp.{gate,up,down}_proj, layers.N.{input_layernorm,post_attention_layernorm}, fc,
 hidden_norm, norm, d2t, t2d; DSpark adds markov_head.{markov_w1,markov_w2} and confidence_head.proj; DFlash2
 layers.N.{attention_conv,mlp_conv}.{base_kernel,kernel_projection} and candidate_selector.{predecessor_codebook,
-successor_codebook,hidden_projection} (vLLM's qwen3_dflash2.py, llama.cpp's DFlash2 tensors). The target's
+successor_codebook,hidden_projection} (vLLM's qwen3_dflash2.py, llama.cpp's DFlash2 tensors); Domino
+prefix_gru.{weight_ih_l0,weight_hh_l0} and embed_proj.{0,2}.weight (vLLM's qwen3_dflash.py DominoHead). The target's
 embedding and lm_head are passed in and never saved. The folders it is saved as and loaded from, ours and the
 engines': models/block_folders.py.
 """
@@ -62,11 +67,15 @@ class Variant:
     label_shift: bool  # slot k predicts x_{a+k+1} (DSpark: the anchor slot drafts too), else x_{a+k} (DFlash)
     heads: bool  # the Markov and confidence heads exist (by default on)
     selector: bool = False  # DFlash2: the dynamic convolutions around each sublayer and the candidate selector
+    # Domino: the GRU correction of the logits; the engines know it as DFlash with dflash_config.projector_type
+    projector: Optional[str] = None
     also_named: Tuple[str, ...] = ()  # other architectures a folder of it carries (read, never written)
 
-    def named(self, architectures) -> bool:
-        """Whether a config.json's `architectures` list names this variant's engine class."""
-        return isinstance(architectures, list) and bool({self.architecture, *self.also_named} & set(architectures))
+    def named(self, architectures, projector: Optional[str] = None) -> bool:
+        """Whether a config.json's `architectures` list names this variant's engine class, with the engines'
+        dflash_config.projector_type `projector` (Domino's "domino"; None for the others)."""
+        return (isinstance(architectures, list) and bool({self.architecture, *self.also_named} & set(architectures))
+                and projector == self.projector)
 
 
 DFLASH = Variant("dflash", "DFlashDraftModel", "DFlashSpeculator", label_shift=False, heads=False)
@@ -77,12 +86,19 @@ DSPARK = Variant("dspark", "Qwen3DSparkModel", "DSparkSpeculator", label_shift=T
                  also_named=("DSparkDraftModel",))
 # z-lab's / Inco AI's DFlash2 (vLLM's qwen3_dflash2.py, SGLang's DFlash2 path and llama.cpp's DFlash graph register it)
 DFLASH2 = Variant("dflash2", "DFlash2DraftModel", "DFlash2Speculator", label_shift=False, heads=False, selector=True)
-VARIANTS = {v.name: v for v in (DFLASH, DSPARK, DFLASH2)}
+# Domino (arXiv 2605.29707; SpecForge's domino.py): a DFlash folder to vLLM's and SGLang's dflash path, told apart by
+# dflash_config.projector_type "domino"; SpecForge's own checkpoints say DominoDraftModel
+DOMINO = Variant("domino", "DFlashDraftModel", "DominoSpeculator", label_shift=True, heads=False, projector="domino",
+                 also_named=("DominoDraftModel",))
+VARIANTS = {v.name: v for v in (DFLASH, DSPARK, DFLASH2, DOMINO)}
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2's <empty_output>: a special token chat text does not use
 DEFAULT_MARKOV_RANK = 256  # DSpark's; DFlash has no Markov head
 # DFlash2's published sizes (z-lab's Qwen3 checkpoints, the peers' defaults): 2 taps, 16 channels per dynamic
 # coefficient, a rank-256 selector choosing among each draft's top 16
 DEFAULT_SELECTOR = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
+# Domino's published sizes (SpecForge's and Model-Optimizer's Qwen3 configs): a 1024-wide GRU, a 256-wide correction,
+# the first draft left uncorrected
+DEFAULT_CORRECTION = dict(gru_hidden_dim=1024, emb_dim=256, pure_draft_prefix_len=1)
 
 
 @strict
@@ -102,6 +118,9 @@ class BlockDrafterConfig(Qwen3Config):
     conv_group_size: int = 0  # DFlash2: channels that share one dynamic tap coefficient
     selector_rank: int = 0  # DFlash2: rank of the candidate selector's codebooks (0: no selector)
     selector_top_k: int = 0  # DFlash2: candidates per draft the selector chooses among
+    gru_hidden_dim: int = 0  # Domino: width of the GRU over the block's previous tokens (0: no correction)
+    emb_dim: int = 0  # Domino: width of the correction's hidden layer
+    pure_draft_prefix_len: int = 0  # Domino: the first drafts, drawn from the backbone's logits uncorrected
 
 
 def config_problem(c: BlockDrafterConfig) -> Optional[str]:
@@ -132,7 +151,7 @@ def config_problem(c: BlockDrafterConfig) -> Optional[str]:
     if not VARIANTS[c.variant].heads and (c.markov_rank or c.enable_confidence_head):
         name = c.variant.replace("dflash", "DFlash")
         return f"a {name} drafter has no Markov or confidence head (markov_rank 0, enable_confidence_head false)"
-    return selector_problem(c)
+    return selector_problem(c) or correction_problem(c)
 
 
 def selector_problem(c: BlockDrafterConfig) -> Optional[str]:
@@ -151,6 +170,24 @@ def selector_problem(c: BlockDrafterConfig) -> Optional[str]:
     if c.draft_vocab_size is not None and c.draft_vocab_size < c.vocab_size:
         # the selector's codebooks and the engines' top-k read the target's whole vocabulary (vLLM, llama.cpp)
         return f"draft_vocab_size = {c.draft_vocab_size}; a dflash2 drafter drafts over the full vocabulary"
+    return None
+
+
+def correction_problem(c: BlockDrafterConfig) -> Optional[str]:
+    """Domino's correction settings: set for it, none for the other variants."""
+    sizes = {k: getattr(c, k) for k in DEFAULT_CORRECTION}
+    if VARIANTS[c.variant].projector is None:
+        return (None if not any(sizes.values()) else
+                f"a {c.variant} drafter has no GRU correction ({', '.join(sizes)} must be 0)")
+    bad = next((k for k in ("gru_hidden_dim", "emb_dim") if sizes[k] < 1), None)
+    if bad is not None:
+        return f"{bad} = {sizes[bad]}; a domino drafter needs its GRU correction (>= 1)"
+    if not 0 <= c.pure_draft_prefix_len < c.block_size:
+        return (f"pure_draft_prefix_len = {c.pure_draft_prefix_len}; expected 0..{c.block_size - 1} (uncorrected "
+                f"drafts of the {c.block_size} in a block)")
+    if c.draft_vocab_size is not None and c.draft_vocab_size < c.vocab_size:
+        # the correction's output layer spans the target's whole vocabulary (vLLM's DominoHead, SpecForge)
+        return f"draft_vocab_size = {c.draft_vocab_size}; a domino drafter drafts over the full vocabulary"
     return None
 
 
@@ -175,11 +212,13 @@ def block_config(target_config, variant: Variant, num_layers: int = 1, block_siz
                  aux_layer_ids: Optional[Sequence[int]] = None, mask_token_id: int = DEFAULT_MASK_TOKEN_ID,
                  markov_rank: Optional[int] = None, enable_confidence_head: Optional[bool] = None,
                  draft_vocab_size: int = 0, num_features: int = 5,
-                 selector: Optional[Dict[str, int]] = None) -> BlockDrafterConfig:
+                 selector: Optional[Dict[str, int]] = None,
+                 correction: Optional[Dict[str, int]] = None) -> BlockDrafterConfig:
     """A block drafter of `num_layers` layers with the target's dimensions. aux_layer_ids: layer inputs (None:
     `default_aux_layer_ids(L, num_features)`); markov_rank / enable_confidence_head: None = the variant's own (DSpark
     256 and on, DFlash 0 and off); draft_vocab_size 0 = the full vocabulary; selector: DFlash2's sizes
-    (`DEFAULT_SELECTOR`'s keys; None: its defaults), ignored by the other variants."""
+    (`DEFAULT_SELECTOR`'s keys; None: its defaults), correction: Domino's (`DEFAULT_CORRECTION`'s keys), each ignored
+    by the other variants."""
     t = target_config
     L = t.num_hidden_layers
     heads = variant.heads
@@ -197,7 +236,8 @@ def block_config(target_config, variant: Variant, num_layers: int = 1, block_siz
         markov_rank=(DEFAULT_MARKOV_RANK if heads else 0) if markov_rank is None else markov_rank,
         enable_confidence_head=heads if enable_confidence_head is None else enable_confidence_head,
         bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=getattr(t, "pad_token_id", None),
-        **({**DEFAULT_SELECTOR, **(selector or {})} if variant.selector else {}))
+        **({**DEFAULT_SELECTOR, **(selector or {})} if variant.selector else {}),
+        **({**DEFAULT_CORRECTION, **(correction or {})} if variant.projector else {}))
     check_config(config, "block drafter config")
     return config
 
@@ -364,12 +404,26 @@ class CandidateSelector(nn.Module):
         return unary.float() + pair.float()
 
 
+def domino_correction(hidden_size: int, vocab_size: int, gru_hidden_dim: int,
+                      emb_dim: int) -> Tuple[nn.GRU, nn.Sequential]:
+    """Domino's causal correction of a block's logits: a GRU without biases over the target's embeddings of the tokens
+    before each draft (the anchor, then the drafts), and the projection that turns [h_j ; g_j] — the slot's final
+    hidden state and the GRU's state after the token before draft j — into the draft's additive logits,
+        δ_j = W_b · SiLU(W_a · [h_j ; g_j])
+    (`BlockDrafter.correct` in training, `read` and `heads` in decoding). Returns (prefix_gru, embed_proj)."""
+    gru = nn.GRU(hidden_size, gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
+    project = nn.Sequential(nn.Linear(hidden_size + gru_hidden_dim, emb_dim, bias=False), nn.SiLU(),
+                            nn.Linear(emb_dim, vocab_size, bias=False))
+    return gru, project
+
+
 @dataclass
 class BlockDrafts:
     """What a block drafter says about its γ drafts per block; draft j predicts x_{a+1+j}."""
     logits: torch.Tensor  # [..., γ, Vd] over the draft vocabulary
     hidden: torch.Tensor  # [..., γ, d] the final-norm hidden states they come from
     confidence: Optional[torch.Tensor] = None  # [..., γ] confidence logits (c = σ of them), DSpark's head only
+    base: Optional[torch.Tensor] = None  # [..., γ, V] Domino's backbone logits before its correction (training)
 
 
 @dataclass
@@ -421,6 +475,9 @@ class BlockDrafter(nn.Module):
         self.markov_head = MarkovHead(V, Vd, r) if r else None
         self.confidence_head = ConfidenceHead(d + r) if config.enable_confidence_head else None
         self.candidate_selector = CandidateSelector(V, d, config.selector_rank) if config.selector_rank else None
+        # Domino's correction, at top level under the names vLLM loads (prefix_gru.*, embed_proj.{0,2}.weight)
+        self.prefix_gru, self.embed_proj = (domino_correction(d, V, config.gru_hidden_dim, config.emb_dim)
+                                            if config.gru_hidden_dim else (None, None))
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.full((V,), Vd == V))  # the full vocabulary: the identity maps
         self.rotary_emb = Qwen3RotaryEmbedding(config)
@@ -525,12 +582,22 @@ class BlockDrafter(nn.Module):
         return self._drafts(hidden.view(B, N, S, -1), target)
 
     def heads(self, logits: torch.Tensor, hidden: torch.Tensor, prev: Optional[torch.Tensor],
-              detach_confidence: bool = False, select: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """DSpark's Markov and confidence heads, or DFlash2's candidate selector, on backbone drafts: logits [..., Vd],
-        hidden [..., d] and the previous token of each, prev [...] (target ids). Returns (logits [..., Vd], confidence
-        logits [...] or None); DFlash: the logits unchanged. DFlash2 (with `select`): the selector's scores of the
-        draft's top-K candidates after prev, −inf elsewhere — the row its draft is drawn from and verified with.
-        detach_confidence (training): the confidence head reads its inputs detached."""
+              detach_confidence: bool = False, select: bool = True, state: Optional[torch.Tensor] = None,
+              draft: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """DSpark's Markov and confidence heads, DFlash2's candidate selector or Domino's correction, on backbone
+        drafts: logits [..., Vd], hidden [..., d] and the previous token of each, prev [...] (target ids). Returns
+        (logits [..., Vd], confidence logits [...] or None); DFlash: the logits unchanged. DFlash2 (with `select`): the
+        selector's scores of the draft's top-K candidates after prev, −inf elsewhere — the row its draft is drawn from
+        and verified with. Domino: draft number `draft` (0-based) corrected from the GRU state [1, ..., g] after prev
+        (`read`), unless it is one of the first pure_draft_prefix_len. detach_confidence (training): the confidence
+        head reads its inputs detached."""
+        if self.prefix_gru is not None:
+            if state is None:
+                raise ValueError("a Domino drafter's correction needs the GRU state after each draft's previous token")
+            if draft < self.config.pure_draft_prefix_len:
+                return logits, None
+            delta = self.embed_proj(torch.cat([hidden, state[0].to(hidden.dtype)], dim=-1))  # [..., V]
+            return logits + delta.to(logits.dtype), None
         if self.candidate_selector is not None and select:
             if prev is None:
                 raise ValueError("a DFlash2 drafter's selector needs the previous token of each draft (prev)")
@@ -555,12 +622,39 @@ class BlockDrafter(nn.Module):
         scores = self.candidate_selector.scores(unary, candidates, hidden, prev)  # [..., K]
         return torch.full(logits.shape, float("-inf"), device=logits.device).scatter(-1, candidates, scores)
 
+    def read(self, state: Optional[torch.Tensor], prev: torch.Tensor, target: nn.Module) -> Optional[torch.Tensor]:
+        """Domino: the GRU state [1, B, g] after it reads prev [B] (target ids) from `state` (None: the start of a
+        block, before the anchor). None for the other variants, which carry nothing from draft to draft."""
+        if self.prefix_gru is None:
+            return None
+        embedded = self._embed(prev[:, None], target).to(self.prefix_gru.weight_hh_l0.dtype)  # [B, 1, d]
+        return self.prefix_gru(embedded, state)[1]  # [1, B, g]
+
+    def correct(self, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor,
+                target: nn.Module) -> torch.Tensor:
+        """Domino's corrected logits of whole blocks, teacher-forced: logits [B, N, γ, V], hidden [B, N, γ, d] and
+        prev [B, N, γ], the true token before each draft (`teacher_prev`). The GRU runs over each block's prev; draft j
+        from pure_draft_prefix_len on adds its correction from the state after prev_j — what `read` and `heads`
+        compute one draft at a time."""
+        B, N, γ = prev.shape
+        P = self.config.pure_draft_prefix_len
+        embedded = self._embed(prev.reshape(B * N, γ), target).to(self.prefix_gru.weight_hh_l0.dtype)  # [B·N, γ, d]
+        states = self.prefix_gru(embedded)[0].view(B, N, γ, -1)  # [B, N, γ, g] after x_a .. x_{a+j}
+        delta = self.embed_proj(torch.cat([hidden[..., P:, :], states[..., P:, :].to(hidden.dtype)], -1))  # [.., γ−P, V]
+        return torch.cat([logits[..., :P, :], logits[..., P:, :] + delta.to(logits.dtype)], dim=-2)
+
     def forward(self, context: torch.Tensor, block_ids: torch.Tensor, anchors: torch.Tensor, target: nn.Module,
                 prev_ids: Optional[torch.Tensor] = None, fused: bool = False,
                 detach_confidence: bool = False) -> BlockDrafts:
-        """The training pass: `backbone`, then DSpark's heads teacher-forced on prev_ids [B, N, γ] (`teacher_prev`).
-        DFlash2's logits stay the backbone's: its selector has a loss of its own (train/block.py)."""
+        """The training pass: `backbone`, then DSpark's heads or Domino's correction teacher-forced on prev_ids
+        [B, N, γ] (`teacher_prev`). DFlash2's logits stay the backbone's: its selector has a loss of its own
+        (train/block.py)."""
         drafts = self.backbone(context, block_ids, anchors, target, fused)
+        if self.prefix_gru is not None:
+            if prev_ids is None:
+                raise ValueError("a Domino drafter's correction needs the true token before each draft (prev_ids)")
+            return BlockDrafts(self.correct(drafts.logits, drafts.hidden, prev_ids, target), drafts.hidden,
+                               base=drafts.logits)
         logits, confidence = self.heads(drafts.logits, drafts.hidden, prev_ids, detach_confidence, select=False)
         return BlockDrafts(logits, drafts.hidden, confidence)
 

@@ -1,5 +1,5 @@
-"""Block drafters' folders: the config.json and model.safetensors a DFlash or DSpark drafter (models/block.py) is saved
-as and loaded from — ours, and the engines' layouts (vLLM / SGLang's `dflash_config`, speculators'
+"""Block drafters' folders: the config.json and model.safetensors a DFlash, DSpark, DFlash2 or Domino drafter
+(models/block.py) is saved as and loaded from — ours, and the engines' layouts (vLLM / SGLang's `dflash_config`, speculators'
 `transformer_layer_config`, recognised by the Variant's class names), mapped to ours at this boundary and nowhere else
 (`engine_layout`); a setting of an engine's folder our model does not compute is refused (`unsupported_setting`)
 rather than drafted wrongly. Everything wrong with a folder is one SpecdrafterError.
@@ -16,6 +16,7 @@ from transformers import Qwen3Config
 from specdrafter.core.io import SpecdrafterError, json_file_problem
 from specdrafter.core.weights import read_safetensors, save_config_and_weights
 from specdrafter.models.block import (
+    DEFAULT_CORRECTION,
     DEFAULT_SELECTOR,
     VARIANTS,
     BlockDrafter,
@@ -32,7 +33,7 @@ CONFIG_KEYS = set(Qwen3Config().to_dict()) | set(BlockDrafterConfig.__dataclass_
 def block_variant(config: dict) -> Optional[Variant]:
     """The block drafter variant a config.json holds: ours, or an engine's layout (`engine_layout`); None: neither."""
     variant = VARIANTS.get(config.get("variant")) if isinstance(config.get("variant"), str) else None
-    if variant is not None and variant.named(config.get("architectures")):
+    if variant is not None and variant.named(config.get("architectures"), variant.projector):  # ours name it
         return variant
     ours = engine_layout(config)
     return VARIANTS[ours["variant"]] if ours else None
@@ -44,7 +45,8 @@ def engine_layout(config: dict) -> Optional[dict]:
     speculators: `transformer_layer_config`, and aux_hidden_state_layer_ids (layer inputs, as ours)."""
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     if isinstance(config.get("dflash_config"), dict):
-        variant = next((v for v in VARIANTS.values() if v.named(archs)), None)
+        projector = config["dflash_config"].get("projector_type")  # Domino's "domino" on a DFlash architecture
+        variant = next((v for v in VARIANTS.values() if v.named(archs, projector)), None)
         layer, outputs = dict(config), config["dflash_config"].get("target_layer_ids")
         ids, mask = [k + 1 for k in outputs] if isinstance(outputs, list) else None, config["dflash_config"].get("mask_token_id")
     elif isinstance(config.get("transformer_layer_config"), dict):
@@ -66,6 +68,9 @@ def engine_layout(config: dict) -> Optional[dict]:
     if variant.selector:  # DFlash2's sizes: in dflash_config (vLLM, llama.cpp), a top-level key wins as there
         sizes = {**(config.get("dflash_config") or {}), **config}
         ours.update({k: sizes[k] for k in DEFAULT_SELECTOR if k in sizes})
+    if variant.projector:  # Domino's sizes: dflash_config's win, where vLLM reads them (SpecForge repeats emb_dim on top)
+        sizes = {**config, **(config.get("dflash_config") or {})}
+        ours.update({k: sizes[k] for k in DEFAULT_CORRECTION if k in sizes})
     if ours.get("draft_vocab_size") == ours.get("vocab_size"):
         ours["draft_vocab_size"] = None  # the full vocabulary
     ours.pop("rope_theta", None)
@@ -84,6 +89,10 @@ def unsupported_setting(config: dict, variant: Variant) -> Optional[str]:
         return (f"sample_from_anchor = {json.dumps(anchor)}: a {variant.name} drafter "
                 + ("drafts from the anchor slot too (true)" if variant.label_shift else
                    "drafts from the masked slots only (false)"))
+    shift = (config.get("dflash_config") or {}).get("shift_label", False)  # SpecForge's default
+    if variant.projector and shift is not True:
+        return (f"dflash_config.shift_label = {json.dumps(shift)}: our {variant.name} drafter's slot k predicts "
+                "x_{a+k+1} (shift_label true, the published checkpoints' and the one Model-Optimizer trains)")
     types = layer.get("layer_types") or []
     windowed = next((i for i, t in enumerate(types) if t != "full_attention"), None)
     if windowed is not None or (not types and layer.get("use_sliding_window")):

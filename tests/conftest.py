@@ -167,7 +167,7 @@ def prompt_file(tmp_path) -> Path:
 
 # --------------------------------------------------------------- llama.cpp: a target and drafters to convert
 RECIPES = {"eagle3": "smollm2-135m-eagle3", "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark",
-           "dflash2": "smollm2-135m-dflash2",
+           "dflash2": "smollm2-135m-dflash2", "domino": "smollm2-135m-domino",
            "draft_model": "smollm2-135m-draft", "medusa": "smollm2-135m-medusa", "eagle1": "smollm2-135m-eagle3"}
 LAYERS = 6
 TINY = ["drafter.num_layers=1", "drafter.eagle.aux_layer_ids=[1,3,5]", "drafter.medusa.num_heads=2",

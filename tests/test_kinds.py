@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "data", "eval", "export", "engines", "inference", "jobs", "models", "train", "launch", "benchmarks")
 NAMES = set(KINDS)
 EXPORTS = {  # --format → the kinds it exports
-    "vllm": ["peagle", "eagle3", "dflash", "dspark", "dflash2"],
-    "sglang": ["eagle3", "dflash", "dspark", "dflash2"],
+    "vllm": ["peagle", "eagle3", "dflash", "dspark", "dflash2", "domino"],
+    "sglang": ["eagle3", "dflash", "dspark", "dflash2", "domino"],
     "speculators": ["eagle3", "dflash", "dspark"],
     "gguf": ["eagle3", "dflash", "dspark", "dflash2", "draft_model"],
     "medusa-vllm": ["medusa"],
@@ -90,6 +90,11 @@ def test_every_format_has_a_writer_for_each_of_its_kinds():
     ({"architectures": ["DSparkDraftModel"], "variant": "dflash"}, None),  # the variant names another architecture
     ({"architectures": ["DFlash2DraftModel"], "variant": "dflash2"}, "dflash2"),
     ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"target_layer_ids": [1]}}, "dflash2"),  # vLLM's layout
+    ({"architectures": ["DFlashDraftModel"], "variant": "domino"}, "domino"),
+    ({"architectures": ["DFlashDraftModel"], "dflash_config": {"target_layer_ids": [1], "projector_type": "domino"}},
+     "domino"),  # vLLM's layout: a DFlash folder with Domino's projector
+    ({"architectures": ["DominoDraftModel"], "dflash_config": {"target_layer_ids": [1], "projector_type": "domino"}},
+     "domino"),  # SpecForge's class name
     ({"architectures": ["BertModel"]}, None),
     ({"architectures": ["Qwen3NextForCausalLM"], "mtp_layout": "qwen3_next"}, "mtp"),  # before any causal LM
     ({"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True}, "peagle"),  # before EAGLE-3

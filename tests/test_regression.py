@@ -44,6 +44,9 @@ RUNS = {  # kind: (recipe, overrides)
     # the selector over the full vocabulary (a pruned one is refused), 4 candidates, rank 8
     "dflash2": ("smollm2-135m-dflash2", ["drafter.block.draft_vocab_size=0", "drafter.block.selector_top_k=4",
                                          "drafter.block.selector_rank=8"]),
+    # the GRU correction over the full vocabulary (a pruned one is refused), small widths; λ falls 1 → 0 over the run
+    "domino": ("smollm2-135m-domino", ["drafter.block.draft_vocab_size=0", "drafter.block.gru_hidden_dim=16",
+                                       "drafter.block.correction_dim=8"]),
     "peagle": ("smollm2-135m-peagle", ["drafter.peagle.depths=3"]),  # K = 3: depth 0 and two masked slots, COD
 }
 # Recorded with this file; without one_thread, OMP_NUM_THREADS=1 and 2 gave these very bits as well.
@@ -57,6 +60,7 @@ EXPECTED = {
     "dflash_dpace": [16.9659, 16.9793, 16.7856],
     "dspark": [6.88394, 6.75242, 6.71308],
     "dflash2": [37.3063, 37.4204, 37.0271],
+    "domino": [32.2691, 31.9219, 32.1467],
     "peagle": [2.95053, 2.96297, 2.93300],
 }
 

@@ -1,4 +1,4 @@
-"""Training a block drafter (DFlash, DSpark, DFlash2; models/block.py, docs/block-drafters.md).
+"""Training a block drafter (DFlash, DSpark, DFlash2, Domino; models/block.py, docs/block-drafters.md).
 
 Each sequence of a batch gets up to `drafter.block.anchors` blocks, at anchor positions a sampled uniformly among
 those whose next token is target-generated too (loss_mask[a] and loss_mask[a + 1]). All blocks of the batch go
@@ -17,6 +17,11 @@ weight `drafter.block.confidence_weight`.
 DFlash2's logits train as DFlash's; its candidate selector adds a K-way CE of the true token among the draft's top-K
 candidates, scored after the true previous token (`selector_loss`), weighted drafter.block.selector_weight × the
 draft's exp(−j / loss_decay).
+
+Domino's drafts are its corrected logits, the GRU teacher-forced on the true tokens before each draft. While
+λ = drafter.block.base_weight · max(0, 1 − step / (base_decay · steps)) is above 0, each corrected draft's objective is
+weighted (1 − λ) and its uncorrected backbone logits get the same objective as a prediction of their own, "base{j+1}",
+weighted λ — SpecForge's (1 − λ)·CE(final) + λ·CE(base), which first trains the backbone alone (`at_step`).
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ def drafter_config(cfg: DictConfig, target_config, variant: Variant):
                         markov_rank=b.markov_rank if variant.heads else 0,
                         draft_vocab_size=b.draft_vocab_size, num_features=b.num_features,
                         selector=dict(conv_kernel_size=b.conv_kernel_size, conv_group_size=b.conv_group_size,
-                                      selector_rank=b.selector_rank, selector_top_k=b.selector_top_k))
+                                      selector_rank=b.selector_rank, selector_top_k=b.selector_top_k),
+                        correction=dict(gru_hidden_dim=b.gru_hidden_dim, emb_dim=b.correction_dim,
+                                        pure_draft_prefix_len=b.uncorrected_drafts))
 
 
 def sample_anchors(loss_mask: torch.Tensor, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +103,20 @@ class BlockTrainingDrafter:
         self.dpace_alpha = b.dpace_alpha if b.loss_weighting.value == "dpace" else None
         self.selector_weight = b.selector_weight if module.candidate_selector is not None else 0.0
         self.prediction_names = [f"draft{j + 1}" for j in range(module.num_drafts)]
+        # Domino: the uncorrected logits' decaying share λ (`at_step`), a prediction "base{j+1}" of each corrected
+        # draft (logged beside the drafts' losses; the held-out α̂ are the drafts', as decoding draws them)
+        self.base_start, self.base_decay = (b.base_weight, b.base_decay) if module.prefix_gru is not None else (0, 0)
+        self.base = self.base_start  # λ at this step
+        self.corrected = range(config.pure_draft_prefix_len, module.num_drafts) if self.base_start else range(0)
         # jobs/train.py:param_groups: the Markov head's sparse embedding learns at markov_lr_scale × train.lr
         self.lr_scales = {"markov_head.": b.markov_lr_scale} if module.markov_head is not None else {}
         self.lr_holds = {"markov_head.": b.markov_hold} if module.markov_head is not None else {}
+
+    def at_step(self, step: int, total: int) -> None:
+        """Domino's λ at optimizer step `step` of `total` (jobs/train.py calls it before each step, a resumed run
+        too): base_weight, falling linearly to 0 at base_decay · total, then 0 (SpecForge's linear_lambda_base)."""
+        progress = min(step / max(1, int(total * self.base_decay)), 1.0)
+        self.base = self.base_start * (1.0 - progress)
 
     def weight(self, j: int) -> float:
         """Draft j's share of the loss (0-based): exp(−j / loss_decay), or 1 with loss_decay 0."""
@@ -155,10 +173,17 @@ class BlockTrainingDrafter:
                     module, draft, drafts.hidden[b, n, j], prev[b, n, j], ids[b, rows[b, n, j] + 1])
             pruned = self.teacher_ids is not None
             weight = self.weight(j) if row_weights is None else 1.0  # D-PACE's row weights replace the decay
-            out.append(Prediction(f"draft{j + 1}", weight, draft, teacher, module.draft_ids if pruned else None,
+            base = self.base if j in self.corrected else 0.0  # Domino's share of the uncorrected logits
+            out.append(Prediction(f"draft{j + 1}", (1 - base) * weight, draft, teacher,
+                                  module.draft_ids if pruned else None,
                                   # as EAGLE-3: rows whose top token the draft vocabulary lacks teach it nothing useful
                                   loss_rows=target.top_in_vocab[index] if pruned else None,
                                   target_lse=lse, confidence_loss=confidence, selector_loss=selector,
+                                  row_weights=None if row_weights is None else row_weights[b, n, j]))
+        for j in self.corrected:  # Domino (full vocabulary): the backbone's own logits of the corrected drafts
+            b, n = supervised[..., j].nonzero(as_tuple=True)
+            out.append(Prediction(f"base{j + 1}", self.base * (self.weight(j) if row_weights is None else 1.0),
+                                  drafts.base[b, n, j], target.logits[target.row_index[b, rows[b, n, j]]],
                                   row_weights=None if row_weights is None else row_weights[b, n, j]))
         return out
 
