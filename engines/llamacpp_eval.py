@@ -98,7 +98,7 @@ def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Pat
     sets = job.sets
     prompts = {name: [user_prompt_ids(tokenizer, r["turns"][0]) for r in records] for name, records in sets.items()}
     cells = plan_cells(newest.name, list(sets), list(e.temperatures), choice.k, list(e.k_sweep), drafter.max_k,
-                       choice.p_min, list(e.llamacpp.p_min_sweep))
+                       choice.p_min, list(e.llamacpp.p_min_sweep), choice.pools_sleep)
     others = {b.name: b for b in baselines(cfg, target, drafter.target_folder, threads)}
     cells += baseline_cells(list(others.values()), list(sets), list(e.temperatures))
     arm["baselines"] = {b.name: b.to_json() for b in others.values()}
@@ -114,7 +114,8 @@ def run_arm(cfg: DictConfig, job: EvalJob, newest, drafter: Drafter, target: Pat
         try:
             found = side_by_side(target, gguf, spec_type, cell["k"], prompts[cell["set"]],
                                  e.max_new_tokens, cell["temperature"], threads, served, measured,
-                                 log=log.info, raise_inexact=False, p_min=cell["p_min"])
+                                 log=log.info, raise_inexact=False, p_min=cell["p_min"],
+                                 pools_sleep=cell.get("pools_sleep", False))
         except SpecdrafterError as error:
             raise SpecdrafterError(f"llama.cpp cell {cell['id']}: {error} (the finished cells are kept in "
                                    f"{results.path})") from None
@@ -187,20 +188,21 @@ def baseline_cells(others: List[Baseline], sets: List[str], temperatures: List[f
 
 
 def plan_cells(checkpoint: str, sets: List[str], temperatures: List[float], k: int, k_sweep: List[int],
-               max_k: int, p_min: float = 0.0, p_min_sweep: Sequence[float] = ()) -> List[dict]:
-    """The arm's cells: each set × temperature at the plan's k (and confidence cut), then the first set at T = 0 at
-    each swept k, and at the longest block with each swept confidence cut."""
+               max_k: int, p_min: float = 0.0, p_min_sweep: Sequence[float] = (), pools_sleep: bool = False) -> List[dict]:
+    """The arm's cells: each set × temperature at the plan's k (and confidence cut, and idle pools asleep where the
+    plan says so), then the first set at T = 0 at each swept k, and at the longest block with each swept cut."""
     cells: List[dict] = []
 
-    def add(name: str, temperature: float, kk: int, sweep: bool, cut: float = 0.0) -> None:
-        cell_id = f"{checkpoint}|{name}|T={float(temperature)}|{ENGINE}|k={kk}" + (f"|p_min={cut:g}" if cut else "")
+    def add(name: str, temperature: float, kk: int, sweep: bool, cut: float = 0.0, asleep: bool = False) -> None:
+        cell_id = f"{checkpoint}|{name}|T={float(temperature)}|{ENGINE}|k={kk}" + (f"|p_min={cut:g}" if cut else "") \
+            + ("|pools_sleep" if asleep else "")
         if all(c["id"] != cell_id for c in cells):
             cells.append({"id": cell_id, "checkpoint": checkpoint, "set": name, "temperature": float(temperature),
-                          "k": kk, "p_min": float(cut), "sweep": sweep})
+                          "k": kk, "p_min": float(cut), "sweep": sweep, **({"pools_sleep": True} if asleep else {})})
 
     for name in sets:
         for temperature in temperatures:
-            add(name, temperature, k, False, p_min)
+            add(name, temperature, k, False, p_min, pools_sleep)
     for kk in k_sweep:
         if kk <= max_k:
             add(sets[0], 0.0, kk, True)

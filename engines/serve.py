@@ -44,7 +44,7 @@ from specdrafter.core.io import SpecdrafterError, atomic_write_json, publish_dir
 from specdrafter.data.assets import load_prompt_set
 from specdrafter.data.chat import user_prompt_ids
 from specdrafter.data.gguf_assets import served_gguf
-from specdrafter.eval.llamacpp import CONFIDENCE_CUTS, Calibration, calibrate
+from specdrafter.eval.llamacpp import CONFIDENCE_CUTS, POOLS_SLEEP, Calibration, Choice, calibrate
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, GGUF_TYPES, OUTTYPE, read_gguf, write_gguf
 from specdrafter.export.source import Source, find_source, target_of
@@ -53,7 +53,8 @@ from specdrafter.kinds import KINDS, Kind, kind_of_gguf
 from specdrafter.kinds.base import LlamaCpp
 
 PLAN_PROMPTS, PLAN_TOKENS = 6, 64  # MT-Bench prompts × tokens each, per calibration arm
-PLAN_VERSION = 2  # part of a cached plan's key: a plan measured another way is measured again (2: c at k = 1..4 and K)
+PLAN_VERSION = 3  # part of a cached plan's key: a plan measured another way is measured again (2: c at k = 1..4 and K;
+# 3: the best k with the idle thread pool asleep)
 
 
 @dataclass
@@ -242,6 +243,9 @@ def advice(cal: Calibration) -> List[str]:
     lines = ["k  tokens/step  c      v(k+1)  predicted"]
     lines += [f"{r['k']:<2} {r['tokens_per_step']:<12} {r['c']:<6} {r['v']:<7} {r['predicted_speedup']}×"
               for r in cal.table()]
+    for k, cost in cal.sleeping.items():
+        lines += ["", f"at k = {k} with the idle thread pool asleep ({' '.join(POOLS_SLEEP)}): a step costs {cost:.3f} "
+                      f"target steps (plain: {cal.step_cost(k):.3f}), predicted {cal.tokens_per_step(k) / cost:.3f}×"]
     if cal.cuts:
         lines += ["", f"with a confidence cut at k = {cal.max_k}: p_min  drafts/step  tokens/step  step cost  predicted"]
         lines += [f"{'':<39}{c.p_min:<6g} {c.drafts_per_step:<12.2f} {c.tokens_per_step:<12.3f} {c.step_cost:<10.3f} "
@@ -249,10 +253,11 @@ def advice(cal: Calibration) -> List[str]:
     return lines
 
 
-def setting(k: int, p_min: float) -> str:
+def setting(k: int, p_min: float, pools_sleep: bool = False) -> str:
     """A drafter's setting as the messages name it: k, the confidence cut if any, and llama-server's flags."""
-    flags = f"--spec-draft-n-max {k}" + (f" --spec-draft-p-min {p_min:g}" if p_min else "")
-    return f"k = {k}" + (f" with p_min {p_min:g}" if p_min else "") + f" ({flags})"
+    flags = Choice(k, 0.0, False, 0.0, p_min, pools_sleep).flags()
+    return f"k = {k}" + (f" with p_min {p_min:g}" if p_min else "") + (" with idle pools asleep" if pools_sleep else "") \
+        + f" ({flags})"
 
 
 def serve(server: LlamaServer) -> None:
@@ -309,21 +314,22 @@ def run(a) -> Optional[Calibration]:
     check_pair(drafter, target)
     if not a.plan_only and port_in_use(a.port):  # before minutes of measuring
         raise SpecdrafterError(f"port {a.port} is in use (another server?): choose another with --port")
-    k, p_min, cal = a.k, a.p_min, None
+    k, p_min, asleep, cal = a.k, a.p_min, False, None
     verb, note = ("would be", " (--plan-only: nothing is served now)") if a.plan_only else ("is", "")
     if k is None:
         cal = plan(drafter, target, a.threads, a.replan)
         print("\n".join(advice(cal)))
         choice = cal.choose()
         if choice.pays:
-            k, p_min = choice.k, choice.p_min
-            print(f"the drafter {verb} served at {setting(k, p_min)}: predicted {choice.predicted:.2f}× over the "
+            k, p_min, asleep = choice.k, choice.p_min, choice.pools_sleep
+            print(f"the drafter {verb} served at {setting(k, p_min, asleep)}: predicted {choice.predicted:.2f}× over the "
                   f"target alone{note}", flush=True)
         else:
             needed = cal.alpha_needed(1 + choice.noise)
             would = (f"at these costs it would take an acceptance of {needed:.2f} per draft" if needed else
                      "no acceptance would make it pay at these costs")
-            print(f"no k pays here: the best, {setting(choice.k, choice.p_min)}, is predicted {choice.predicted:.2f}× "
+            best = setting(choice.k, choice.p_min, choice.pools_sleep)
+            print(f"no k pays here: the best, {best}, is predicted {choice.predicted:.2f}× "
                   f"(timing noise ±{choice.noise:.0%}), so the target {verb} served without the drafter{note}; {would} (this "
                   f"drafter: {cal.reach[0]:.2f} at the first). Train it longer, or pass --k N to serve it anyway.",
                   flush=True)
@@ -335,7 +341,7 @@ def run(a) -> Optional[Calibration]:
         serve(LlamaServer(target, threads=a.threads, port=a.port))
     else:
         serve(LlamaServer(target, drafter.gguf, drafter.spec_type, n_max=k, p_min=p_min, threads=a.threads,
-                          port=a.port))
+                          port=a.port, extra=list(POOLS_SLEEP) if asleep else []))
     return cal
 
 

@@ -21,6 +21,11 @@ The cost model is the loop's (docs/algorithms.md §Speedup model), with llama.cp
   `CONFIDENCE_CUTS`, and such a setting is priced by what it measured there: tokens per step ÷ the step's cost in
   target steps (a step drafts a varying number of tokens, so the cost is measured, not composed from v and c).
 
+- Thread pools that sleep: with a drafter, llama-server runs two thread pools (the target's and the drafter's), and
+  the idle one spins for `--poll` (50 by default) before it sleeps, taking a core from the one that works on a 2-core
+  machine. `calibrate` measures the best plain k again with `POOLS_SLEEP` (`--poll 0 --poll-draft 0`), and the plan
+  serves with it where the step is cheaper by more than the timing noise (its step cost measured, as a cut's).
+
 llama.cpp's replies carry `draft_n` and `draft_n_accepted`; each verify step commits its accepted drafts and one
 token of the target's, so a reply's verify steps are `predicted_n − 1 − draft_n_accepted` (its first token comes
 from the prompt pass). α = accepted ÷ drafted and τ = tokens per verify step, as the loop defines them.
@@ -54,6 +59,7 @@ DEPTH = 128  # tokens already in the cache when llama-bench times a pass (a deco
 TIE_MARGIN = {"f32": 0.03, "f16": 0.3, "bf16": 0.3, "q8_0": 0.3}
 CALIBRATED_K = (1, 2, 3, 4)  # block lengths whose drafting cost is measured, beside the drafter's longest, K
 CONFIDENCE_CUTS = (0.3, 0.5, 0.7)  # --spec-draft-p-min values measured at n_max = K
+POOLS_SLEEP = ("--poll", "0", "--poll-draft", "0")  # idle thread pools sleep instead of spinning
 _POS_LINE = re.compile(r"acc per pos = \(([0-9., ]*)\)")
 
 
@@ -178,6 +184,7 @@ class Calibration:
     prompts: int
     tokens: int  # per prompt
     cuts: List[Cut] = field(default_factory=list)  # at n_max = max_k, one per p_min of CONFIDENCE_CUTS
+    sleeping: Dict[int, float] = field(default_factory=dict)  # k → step cost with POOLS_SLEEP, in target steps
 
     def c_at(self, k: int) -> float:
         """c(k), measured or on the line between the nearest measured block lengths (the end ones beyond them)."""
@@ -237,19 +244,24 @@ class Calibration:
         noise = max(MIN_NOISE, self.v_noise)
         best = ks[robust_choice([self.tokens_per_step(k) for k in ks], [self.predicted(k) for k in ks], noise)]
         choice = Choice(best, self.predicted(best), self.predicted(best) >= 1 + noise, noise)
+        if best in self.sleeping and self.sleeping[best] < self.step_cost(best) * (1 - noise):
+            asleep = self.tokens_per_step(best) / self.sleeping[best]
+            choice = Choice(best, asleep, asleep >= 1 + noise, noise, pools_sleep=True)
         cut = max(self.cuts, key=lambda c: c.predicted, default=None)
         if cut is not None and cut.predicted > choice.predicted * (1 + noise):
             choice = Choice(self.max_k, cut.predicted, cut.predicted >= 1 + noise, noise, cut.p_min)
         return choice
 
     def to_json(self) -> dict:
-        return {**asdict(self), "c": {str(k): x for k, x in self.c.items()}, "v": {str(n): x for n, x in self.v.items()}}
+        return {**asdict(self), "c": {str(k): x for k, x in self.c.items()}, "v": {str(n): x for n, x in self.v.items()},
+                "sleeping": {str(k): x for k, x in self.sleeping.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
         return cls(**{**data, "c": {int(k): x for k, x in data["c"].items()},
                       "v": {int(n): x for n, x in data["v"].items()},
-                      "cuts": [Cut(**c) for c in data.get("cuts", [])]})
+                      "cuts": [Cut(**c) for c in data.get("cuts", [])],
+                      "sleeping": {int(k): x for k, x in data.get("sleeping", {}).items()}})
 
 
 @dataclass(frozen=True)
@@ -259,9 +271,15 @@ class Choice:
     pays: bool  # predicted speedup clear of 1 by the timing noise
     noise: float
     p_min: float = 0.0  # --spec-draft-p-min: 0 drafts k tokens every step
+    pools_sleep: bool = False  # served with POOLS_SLEEP
+
+    def extra(self) -> List[str]:
+        """llama-server's arguments for this choice beyond n_max and p_min."""
+        return list(POOLS_SLEEP) if self.pools_sleep else []
 
     def flags(self) -> str:
-        return f"--spec-draft-n-max {self.k}" + (f" --spec-draft-p-min {self.p_min:g}" if self.p_min else "")
+        return " ".join([f"--spec-draft-n-max {self.k}"] + ([f"--spec-draft-p-min {self.p_min:g}"] if self.p_min else [])
+                        + self.extra())
 
 
 def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Sequence[Sequence[int]],
@@ -285,6 +303,14 @@ def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Se
         if k == max_k:
             reach = reach_curve(log_text) or [sum(a.accepted for a in runs) / sum(a.steps for a in runs)]
         log(f"  n_max {k}: {step_ms:.1f} ms per step against {target_ms:.1f} ms per target token, c({k}) = {c[k]:.3f}")
+    partial = Calibration(spec_type, max_k, c, reach, dict(costs.v), costs.noise, target_ms, threads, len(prompts),
+                          tokens)
+    best = partial.choose().k
+    with LlamaServer(target, draft, spec_type, n_max=best, p_min=0.0, threads=threads, extra=list(POOLS_SLEEP)) as s:
+        runs = [answer(s, p, tokens, ignore_eos=True) for p in prompts]
+    sleeping = {best: sum(a.ms for a in runs) / sum(a.steps for a in runs) / target_ms}
+    log(f"  n_max {best} with the idle thread pool asleep ({' '.join(POOLS_SLEEP)}): {sleeping[best]:.2f} target "
+        f"steps a step, against {partial.step_cost(best):.2f}")
     measured_cuts = []
     for p_min in cuts:
         with LlamaServer(target, draft, spec_type, n_max=max_k, p_min=p_min, threads=threads) as s:
@@ -296,7 +322,7 @@ def calibrate(target: Path, draft: Path, spec_type: str, max_k: int, prompts: Se
         log(f"  n_max {max_k}, p_min {p_min:g}: {cut.drafts_per_step:.2f} drafts and {cut.tokens_per_step:.2f} tokens "
             f"per step at {cut.step_cost:.2f} target steps each")
     return Calibration(spec_type, max_k, c, reach, dict(costs.v), costs.noise, target_ms, threads, len(prompts), tokens,
-                       measured_cuts)
+                       measured_cuts, sleeping)
 
 
 # --------------------------------------------------------------------------------------- T = 0 identity
@@ -358,13 +384,14 @@ class ArmResult:
     identical: Optional[int] = None  # T = 0: answers identical to target-only decoding
     departures: List[dict] = field(default_factory=list)
     p_min: float = 0.0  # llama.cpp's confidence cut (0: every step drafts k)
+    pools_sleep: bool = False  # the drafted server ran with POOLS_SLEEP
 
 
 def side_by_side(target: Path, draft: Optional[Path], spec_type: str, k: Optional[int],
                  prompts: Sequence[Sequence[int]], tokens: int,
                  temperature: float = 0.0, threads: int = 1, outtype: str = "f32",
                  calibration: Optional[Calibration] = None, log=print, raise_inexact: bool = True,
-                 p_min: float = 0.0) -> ArmResult:
+                 p_min: float = 0.0, pools_sleep: bool = False) -> ArmResult:
     """Both servers up (idle, a server does not spin), prompts sent to each in turn: target-only, then drafted, so a
     slow spell hits both arms of a prompt. At T = 0 every answer must equal target-only decoding, or depart at a tie
     (else InexactVerifier, or with raise_inexact=False the departures are only recorded: `check_exact`).
@@ -376,7 +403,7 @@ def side_by_side(target: Path, draft: Optional[Path], spec_type: str, k: Optiona
     alone, drafted, ratios, departures = [], [], [], []
     with LlamaServer(target, threads=threads) as base, \
             LlamaServer(target, draft, spec_type, n_max=k, p_min=p_min if draft is not None else None,
-                        threads=threads) as spec:
+                        threads=threads, extra=list(POOLS_SLEEP) if pools_sleep else []) as spec:
         for i, p in enumerate(prompts):
             a, d = answer(base, p, tokens, temperature, seed=i), answer(spec, p, tokens, temperature, seed=i)
             alone.append(a)
@@ -396,8 +423,10 @@ def side_by_side(target: Path, draft: Optional[Path], spec_type: str, k: Optiona
         None,
         None if temperature else len(prompts) - len(departures), [asdict(x) for x in departures])
     result.p_min = p_min
+    result.pools_sleep = pools_sleep
     if calibration is not None and k is not None:
-        result.predicted_speedup = round(result.tau / calibration.step_cost(k, p_min), 3)
+        cost = calibration.sleeping[k] if pools_sleep else calibration.step_cost(k, p_min)
+        result.predicted_speedup = round(result.tau / cost, 3)
     if raise_inexact:
         check_exact(result)
     return result

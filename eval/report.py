@@ -135,13 +135,17 @@ def llamacpp_section(data: dict) -> List[str]:
                        f"tokens per step at {c['step_cost']:.2f} target steps" for c in cal.get("cuts", []))
              + f". The plan picks k = {choice['k']}"
              + (f" with p_min {choice['p_min']:g}" if choice.get("p_min") else "")
+             + (" with the idle thread pool asleep (--poll 0 --poll-draft 0: measured "
+                + ", ".join(f"{x:.2f} target steps a step at k = {k}" for k, x in cal.get("sleeping", {}).items())
+                + ")" if choice.get("pools_sleep") else "")
              + f", predicted {choice['predicted']:.2f}×, which {pays} (timing noise ±{100 * choice['noise']:.0f} %)."
              + "".join(baseline_note(name, b) for name, b in arm.get("baselines", {}).items()),
              "",
              cell_table(sorted(arm["cells"], key=lambda c: (c.get("baseline") or "", c["sweep"], c["set"],
                                                             c["temperature"], c["k"] or 0, c.get("p_min", 0.0))), [
                  ("arm", lambda c: c.get("baseline") or "the drafter"), ("set", "set"), ("T", "temperature"),
-                 ("k", lambda c: "own" if c["k"] is None else c["k"]), ("p_min", lambda c: c.get("p_min") or "–"),
+                 ("k", lambda c: ("own" if c["k"] is None else str(c["k"])) + (" asleep" if c.get("pools_sleep") else "")),
+                 ("p_min", lambda c: c.get("p_min") or "–"),
                  ("α", "alpha"), ("τ", "tau"),
                  ("target tok/s", "alone_tokens_per_s"), ("drafted tok/s", "drafted_tokens_per_s"),
                  ("speedup", "speedup_median"), ("range", "speedup_range"), ("predicted", "predicted_speedup"),

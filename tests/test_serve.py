@@ -254,6 +254,22 @@ def test_c_between_measured_block_lengths_is_on_their_line():
     assert old.c_at(2) == pytest.approx(0.2) and old.c_at(8) == 0.8
 
 
+def test_the_plan_lets_idle_pools_sleep_only_where_that_step_is_cheaper_by_more_than_the_noise():
+    """A step measured with --poll 0 --poll-draft 0 at the best k replaces the plain one only when cheaper beyond the
+    noise; the choice's flags then carry it, and a plan read back from JSON keeps it."""
+    cal = Calibration("draft-simple", 4, {1: 0.2, 2: 0.4, 3: 0.6, 4: 0.8}, [0.8, 0.6, 0.4, 0.2],
+                      {n: 1.0 + 0.2 * (n - 1) for n in range(1, 6)}, 0.02, 50.0, 2, 6, 64)
+    plain = cal.choose()
+    assert not plain.pools_sleep and plain.extra() == []
+    cal.sleeping = {plain.k: cal.step_cost(plain.k) * 0.99}  # within the noise: not worth a flag
+    assert cal.choose() == plain
+    cal.sleeping = {plain.k: cal.step_cost(plain.k) * 0.9}
+    asleep = cal.choose()
+    assert asleep.k == plain.k and asleep.pools_sleep and asleep.predicted == pytest.approx(plain.predicted / 0.9)
+    assert asleep.flags() == f"--spec-draft-n-max {plain.k} --poll 0 --poll-draft 0"
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))).choose() == asleep
+
+
 def test_the_plan_takes_a_confidence_cut_only_where_it_beats_the_best_k_by_more_than_the_noise():
     cal = Calibration("draft-eagle3", 8, {1: 0.08, 8: 0.64}, [0.4, 0.16, 0.06, 0.02, 0.01, 0, 0, 0],
                       {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}, 0.02, 50.0, 1, 6, 64)
