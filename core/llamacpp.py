@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from safetensors import safe_open
-
 from specdrafter.core.cache import cache_dir
 from specdrafter.core.io import SpecdrafterError
 
@@ -235,6 +233,8 @@ def expects_mtp_it_lacks(model: Path) -> bool:
         return False
     if (config.get("architectures") or [None])[0] not in MTP_EXPECTED:
         return False
+    from safetensors import safe_open  # here: core/recipe.py reads this module's names and loads no ML library
+
     names = []
     for f in Path(model).glob("*.safetensors"):
         with safe_open(f, "pt") as weights:
