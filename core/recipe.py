@@ -91,7 +91,7 @@ PROMPTS = Rule(lambda v: v in PROMPT_SETS or Path(v).expanduser().exists(),
                              "datasets folder")
 
 
-BASELINE = Rule(lambda v: v in DRAFTLESS or not _looks_local(v) or Path(v).expanduser().is_file(),
+BASELINE = Rule(lambda v: isinstance(v, str) and (v in DRAFTLESS or not _looks_local(v) or Path(v).expanduser().is_file()),
                 why=lambda v: f"{v!r} is neither one of llama.cpp's modes without a drafter ({', '.join(DRAFTLESS)}), a "
                               "built-in model's name nor an existing GGUF file")
 
