@@ -41,7 +41,8 @@ def test_the_llamacpp_arm_sits_beside_the_loop_in_one_report(drafter_run_of, ggu
     k = arm["choice"]["k"]
     ids = [c["id"] for c in arm["cells"]]
     assert ids == [c["id"] for c in plan_cells("step-000004", ["mtbench"], [0.0, 1.0], k, [1, 2], arm["max_k"],
-                                               arm["choice"]["p_min"], [0.5])]
+                                               arm["choice"]["p_min"], [0.5],
+                                               arm["choice"].get("pools_sleep", False))]
     assert [c["p_min"] for c in arm["calibration"]["cuts"]] == [0.3, 0.5, 0.7]
     for c in arm["cells"]:
         assert (c["drafted"] > 0 or c["p_min"] > 0) and c["tau"] >= 1.0 and 0.0 <= c["alpha"] <= 1.0
