@@ -78,18 +78,24 @@ class EagleProposer:
             token = draft_ids[index:index + 1][None]  # [1, 1]
             hidden, _ = self.head(hidden, self.embed(token), torch.tensor([[position + step]], device=hidden.device),
                                   None, self.cache)
-        draft_ids = draft_ids.cpu()
-        tokens = draft_ids[indices]  # [k]
-        if params.greedy:
-            return Proposal(tokens, None)
-        probs = torch.zeros(k, self.vocab_size, dtype=torch.float64)
-        probs[:, draft_ids] = torch.stack(rows)  # [k, V] the q rows in the target's vocabulary
-        return Proposal(tokens, probs)
+        return draft_vocab_proposal(indices, rows, draft_ids.cpu(), self.vocab_size, params.greedy)
 
     def rollback(self, num_committed: int) -> None:
         drafted = self.cache.get_seq_length() - self.cached
         if drafted:
             self.cache.crop(-drafted)  # rollback: drop the drafted pairs; accepted ones return as target features
+
+
+def draft_vocab_proposal(indices: List[int], rows: List[Optional[torch.Tensor]], draft_ids: torch.Tensor,
+                         vocab_size: int, greedy: bool) -> Proposal:
+    """A proposal drawn in a pruned draft vocabulary, in the target's: the tokens of the draft-vocabulary `indices`,
+    and (sampling) each q row [Vd] placed at its tokens' ids of a [k, V] row, the other target tokens at q = 0."""
+    tokens = draft_ids[indices]  # [k]
+    if greedy:  # no q rows
+        return Proposal(tokens, None)
+    probs = torch.zeros(len(indices), vocab_size, dtype=torch.float64)
+    probs[:, draft_ids] = torch.stack(rows)  # [k, V]
+    return Proposal(tokens, probs)
 
 
 class EagleTreeProposer(EagleProposer):

@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 
 from specdrafter.core.io import SpecdrafterError
-from specdrafter.inference.eagle import EagleProposer
+from specdrafter.inference.eagle import EagleProposer, draft_vocab_proposal
 from specdrafter.inference.proposers import Proposal
 from specdrafter.inference.sampling import SamplingParams, draw
 from specdrafter.train.peagle import PEagleHead
@@ -55,9 +55,4 @@ class PEagleProposer(EagleProposer):
             index, q = draw(logits[j], params, generator)  # q [Vd] or None (greedy)
             indices.append(index)
             rows.append(q)
-        tokens = draft_ids[indices]  # [n]
-        if params.greedy:
-            return Proposal(tokens, None)
-        probs = torch.zeros(n, self.vocab_size, dtype=torch.float64)
-        probs[:, draft_ids] = torch.stack(rows)  # [n, V] the q rows in the target's vocabulary
-        return Proposal(tokens, probs)
+        return draft_vocab_proposal(indices, rows, draft_ids, self.vocab_size, params.greedy)

@@ -138,6 +138,20 @@ def tiny_target(tmp_path_factory, smollm2_tokenizer) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def feature_data(tmp_path_factory, tiny_target) -> Path:
+    """8 conversations answered by the tiny target with every layer's hidden states cached (float32): an EAGLE-3
+    family head's offline features."""
+    from specdrafter.data.regenerate import generate_dataset
+    root = tmp_path_factory.mktemp("feature-data")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Tell me about {t}, briefly."}) + "\n"
+                               for i, t in enumerate(["rivers", "bees", "glass", "owls", "tea", "salt", "maps", "ice"])))
+    generate_dataset(small_data_recipe(root / "data", tiny_target, prompts, "data.hidden_states.layer_ids=[0,1,2]",
+                                       "data.hidden_states.dtype=float32"))
+    return root / "data"
+
+
 PROMPTS = [
     "Explain how a hash map handles collisions.",
     "Write a haiku about autumn leaves falling in the park.",

@@ -61,16 +61,21 @@ def test_greedy_block_decoding_is_token_identical_to_the_target(variant, confide
     target = small_target(64, sharpen=8.0)
     drafter = drafter_for(target, variant, sharpen=4.0)
     length = confidence_rule(drafter) if confidence else None
-    proposer = BlockProposer(drafter, target, length)
-    drafted, accepted = [], []
+    cycles = greedy_cycles(target, BlockProposer(drafter, target, length))
+    if confidence:
+        assert min(c.drafted for c in cycles) < 3  # the rule shortened some cycles
+
+
+def greedy_cycles(target, proposer) -> list:
+    """Greedy decoding of three prompts with `proposer` at k = 3, asserted token-identical to the target's own greedy
+    answer with some drafts accepted (committed, and their features observed); the cycles."""
+    cycles = []
     for prompt in ([5], [3, 9, 12], [7, 7, 1, 30, 22, 4]):
         result = speculative_generate(target, proposer, prompt, 24, GREEDY, 3)
         assert result.tokens == target_greedy(target, prompt, 24)
-        drafted += [c.drafted for c in result.cycles]
-        accepted += [c.accepted for c in result.cycles]
-    assert max(accepted) >= 1  # accepted drafts were committed and their features observed
-    if confidence:
-        assert min(drafted) < 3  # the rule shortened some cycles
+        cycles += result.cycles
+    assert max(c.accepted for c in cycles) >= 1
+    return cycles
 
 
 def test_the_context_cache_holds_every_committed_position_but_the_newest():

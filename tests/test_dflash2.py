@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import assert_first_two_tokens_follow, sample_first_two_through_the_loop
 from safetensors.torch import load_file, save_file
-from test_block_inference import GREEDY, small_target, target_greedy
+from test_block_inference import greedy_cycles, small_target
 from test_block_training import V, recipe
 from test_dpace import batch_and_teacher
 from test_gguf import greedy_completion, needs_llamacpp
@@ -20,7 +20,6 @@ from specdrafter.core.io import SpecdrafterError
 from specdrafter.export.formats import export
 from specdrafter.export.gguf import DRAFT_FILE, read_gguf
 from specdrafter.inference.block import BlockProposer
-from specdrafter.inference.decode import speculative_generate
 from specdrafter.kinds import kind_of_gguf
 from specdrafter.models.block import DFLASH, DFLASH2, BlockDrafter, DynamicConv, block_config
 from specdrafter.models.block_folders import load_block_drafter, save_block_drafter
@@ -133,13 +132,7 @@ def test_a_tiny_dflash2_trains_its_selector_and_convolutions(target, one_thread)
 
 def test_greedy_dflash2_decoding_is_token_identical_to_the_target(one_thread):
     target = small_target(64, sharpen=8.0)
-    proposer = BlockProposer(drafter2(target, seed=2, sharpen=4.0, pair=0.2), target)
-    accepted = []
-    for prompt in ([5], [3, 9, 12], [7, 7, 1, 30, 22, 4]):
-        result = speculative_generate(target, proposer, prompt, 24, GREEDY, 3)
-        assert result.tokens == target_greedy(target, prompt, 24)
-        accepted += [c.accepted for c in result.cycles]
-    assert max(accepted) >= 1
+    greedy_cycles(target, BlockProposer(drafter2(target, seed=2, sharpen=4.0, pair=0.2), target))
 
 
 def test_dflash2_decoding_at_temperature_1_samples_the_first_two_tokens_from_the_target(one_thread):

@@ -152,21 +152,6 @@ TRAIN = ["target.dtype=float32", "train.precision=fp32", "train.temperature=0.05
          "drafter.eagle.draft_vocab_size=256", "drafter.eagle.ttt_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def feature_data(tmp_path_factory, tiny_target):
-    """8 conversations answered by the tiny target with every layer's hidden states cached (float32)."""
-    from conftest import small_data_recipe
-
-    from specdrafter.data.regenerate import generate_dataset
-    root = tmp_path_factory.mktemp("eagle31-data")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Tell me about {t}, briefly."}) + "\n"
-                               for i, t in enumerate(["rivers", "bees", "glass", "owls", "tea", "salt", "maps", "ice"])))
-    generate_dataset(small_data_recipe(root / "data", tiny_target, prompts, "data.hidden_states.layer_ids=[0,1,2]",
-                                       "data.hidden_states.dtype=float32"))
-    return root / "data"
-
-
 def test_training_offline_equals_online_and_is_deterministic(tmp_path, tiny_target, feature_data, one_thread,
                                                              in_process_training):
     """The real loop (jobs/train.py) on the EAGLE-3.1 recipe: cached features give the losses online features give,

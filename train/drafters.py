@@ -319,6 +319,20 @@ class MedusaDrafter:
 
 
 # ----------------------------------------------------------------------------------------------- EAGLE-3
+def start_draft_vocab(head: nn.Module, target: nn.Module, vocab: int, data=None) -> None:
+    """An EAGLE-3-style head's draft vocabulary (the `vocab` tokens the data uses most, or the first `vocab` ids with
+    no data to count: a shape check) and its lm_head started from the target's rows for the same tokens."""
+    V = target.config.vocab_size
+    if vocab < V and data is not None:
+        d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    else:
+        head.t2d[:vocab] = True
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids])
+
+
 class Eagle3Drafter:
 
     def __init__(self, cfg: DictConfig, target: nn.Module, data=None, tokenizer=None):
@@ -328,14 +342,7 @@ class Eagle3Drafter:
         vocab = e.draft_vocab_size or V
         flags = {key: e[key] for key in EAGLE31_FLAGS}  # EAGLE-3.1's norms, when the recipe sets them
         head = Eagle3Head(eagle3_config(target.config, aux, vocab, e.attention_bias, flags)).to(MASTER_DTYPE)
-        if vocab < V and data is not None:
-            d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
-            head.d2t.copy_(d2t)
-            head.t2d.copy_(t2d)
-        else:  # the full vocabulary, or no data to count (a shape check): the first `vocab` ids
-            head.t2d[:vocab] = True
-        with torch.no_grad():  # start the pruned lm_head from the target's rows for the same tokens
-            head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids])
+        start_draft_vocab(head, target, vocab, data)
         self.module, self.embed = head, target.get_input_embeddings()
         self.teacher_ids = head.draft_ids if vocab < V else None  # the teacher's rows the loss needs (run_target)
         self.steps, self.decay = e.ttt_steps, e.step_decay

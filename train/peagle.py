@@ -46,8 +46,8 @@ from specdrafter.models.eagle import (
 )
 from specdrafter.train.batches import Batch
 from specdrafter.train.block import check_mask_token
-from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput, counted_rows
-from specdrafter.train.eagle import build_draft_vocab, shift_left
+from specdrafter.train.drafters import MASTER_DTYPE, Prediction, TargetOutput, counted_rows, start_draft_vocab
+from specdrafter.train.eagle import shift_left
 
 
 class PEagleHead(Eagle3Head):
@@ -182,14 +182,7 @@ class PEagleDrafter:
         head = PEagleHead(config).to(MASTER_DTYPE)
         if data is not None:
             check_mask_token(p.mask_token_id, data, tokenizer)
-        if vocab < V and data is not None:
-            d2t, t2d = build_draft_vocab(data.target_tokens(), V, vocab)
-            head.d2t.copy_(d2t)
-            head.t2d.copy_(t2d)
-        else:  # the full vocabulary, or no data to count (a shape check): the first `vocab` ids
-            head.t2d[:vocab] = True
-        with torch.no_grad():  # start the pruned lm_head from the target's rows for the same tokens
-            head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids])
+        start_draft_vocab(head, target, vocab, data)
         self.module, self.embed = head, target.get_input_embeddings()
         self.teacher_ids = head.draft_ids if vocab < V else None  # the teacher's rows the loss needs (run_target)
         self.depths, self.ratio, self.ratio_min, self.decay = p.depths, p.cod_ratio, p.cod_ratio_min, p.depth_decay
