@@ -32,7 +32,7 @@ from specdrafter.core import llamacpp
 from specdrafter.core.io import atomic_write_text
 from specdrafter.data.assets import load_prompt_set, resolve_target
 from specdrafter.data.chat import user_prompt_ids
-from specdrafter.data.gguf_assets import paired_gguf
+from specdrafter.data.gguf_assets import gguf_type, paired_gguf
 from specdrafter.eval.llamacpp import TIE_MARGIN
 from specdrafter.inference.llama_server import LlamaServer
 
@@ -89,7 +89,7 @@ def main() -> None:
         "margin_change": {"median": statistics.median(changes), "p99": changes[int(0.99 * (len(changes) - 1))],
                           "max": changes[-1]},
         "logprob_change_max": logprob[-1], "argmax_differs": sum(r["argmax_differs"] for r in rows),
-        "tie_margin": TIE_MARGIN.get(args.outtype), "closest_calls": near, "seconds": round(time.time() - started, 1),
+        "tie_margin": TIE_MARGIN.get(gguf_type(target)), "closest_calls": near, "seconds": round(time.time() - started, 1),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
