@@ -169,6 +169,9 @@ def test_the_built_binaries_run():
     assert server.returncode == 0 and "version" in (server.stdout + server.stderr)
     bench = subprocess.run([str(llamacpp.binary("llama-bench")), "--help"], capture_output=True, text=True, timeout=60)
     assert bench.returncode == 0 and "usage" in (bench.stdout + bench.stderr).lower()
+    quantize = subprocess.run([str(llamacpp.binary("llama-quantize")), "--help"], capture_output=True, text=True,
+                              timeout=60)
+    assert "Q4_K_M" in quantize.stdout  # its --help lists the types and exits 1
     assert build.install(log=lambda _: pytest.fail("a rerun prints nothing")) == llamacpp.home()
     # the flags an AMX CPU gets (core/llamacpp.py:amx_repack_crashes) are the binaries' own: a misspelt one exits 1
     for program, flags, last in (("llama-server", ["--no-repack"], "--version"), ("llama-bench", ["--repack", "0"], "--help")):
