@@ -51,15 +51,20 @@ def test_a_random_head_is_measured_and_not_served_since_no_k_pays(capsys, drafte
     assert "measuring" not in again and "no k pays here" in again
 
 
+def default_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start_serving(run: Path, port: int, log: Path) -> subprocess.Popen:
     """`specdrafter-serve RUN --k 2 --port PORT` as a job of its own, returned once its llama-server answers."""
     # its output goes to a file: an unread pipe fills up with the export's progress lines and blocks the job
     out = log.open("w")
-    # Ctrl-C's default disposition in the job, as in a terminal: a suite started in the background of a shell (`cmd &`)
-    # hands its children SIGINT ignored, and the job would never see the signal this test sends
+    # Ctrl-C's and a hang-up's default dispositions in the job, as in a terminal: a suite started in the background of a
+    # shell (`cmd &`) hands its children SIGINT ignored, one started under nohup SIGHUP, and the launcher rightly keeps
+    # an ignored signal ignored (`nohup specdrafter-serve …` is meant to outlive its terminal)
     job = subprocess.Popen([sys.executable, "-m", "specdrafter.engines.serve", str(run), "--k", "2", "--port",
-                            str(port)], stdout=out, stderr=subprocess.STDOUT, text=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            str(port)], stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
     deadline = time.time() + 240
     while True:
         try:
